@@ -1,0 +1,93 @@
+"""The embedded task: seeded arithmetic word problems with GSM8K-style gold answers.
+
+Each problem has a one-line worked solution and a final ``#### N`` line, like GSM8K::
+
+    Question: Mia has 23 pens. She buys 45 more. How many pens does Mia have now?
+    Answer: 23 + 45 = 68
+    #### 68
+
+Train and held-out problems are disjoint by construction: a problem is held out when a hash
+of its (template, operands) falls in the held-out bucket, whatever the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+NAMES = ["Mia", "Sam", "Ava", "Leo", "Zoe", "Max", "Ivy", "Ben", "Eva", "Tom", "Amy", "Jay"]
+ITEMS = ["apples", "pens", "books", "coins", "cards", "eggs", "cups", "shells", "stamps", "rocks"]
+PRONOUN = {n: ("She" if n in {"Mia", "Ava", "Zoe", "Ivy", "Eva", "Amy"} else "He") for n in NAMES}
+
+# (template, op); templates see name, pronoun, item, a, b.
+TEMPLATES: list[tuple[str, str]] = [
+    ("{name} has {a} {item}. {pronoun} buys {b} more. How many {item} does {name} have now?", "+"),
+    ("{name} has {a} {item} and finds {b} more. How many {item} does {name} have in total?", "+"),
+    ("{name} has {a} {item}. {pronoun} gives away {b}. How many {item} are left?", "-"),
+    ("{name} had {a} {item} and lost {b} of them. How many {item} does {name} have now?", "-"),
+    ("{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?", "*"),
+]
+
+WORDS = sorted(
+    {w.strip(".?,") for t, _ in TEMPLATES for w in t.split() if not w.startswith("{")}
+    | set(NAMES) | set(ITEMS) | {"She", "He", "Question", "Answer"}
+)
+PROMPT_FORMAT = "Question: {question}\nAnswer: "
+
+
+@dataclass(frozen=True)
+class ArithmeticDifficulty:
+    """Operand ranges. The defaults put a warm-started tiny model between 0.15 and 0.6."""
+
+    max_add: int = 99  # operands of + and - lie in [1, max_add]
+    max_mul: int = 12  # operands of * lie in [2, max_mul]
+    heldout_fraction: float = 0.2
+
+
+def _is_heldout(key: str, fraction: float) -> bool:
+    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
+    return (h % 10_000) < fraction * 10_000
+
+
+def make_problem(rng: random.Random, diff: ArithmeticDifficulty) -> dict:
+    t_idx = rng.randrange(len(TEMPLATES))
+    template, op = TEMPLATES[t_idx]
+    if op == "*":
+        a, b = rng.randint(2, diff.max_mul), rng.randint(2, diff.max_mul)
+        c = a * b
+    else:
+        a, b = rng.randint(1, diff.max_add), rng.randint(1, diff.max_add)
+        if op == "-":
+            a, b = max(a, b), min(a, b)
+            c = a - b
+        else:
+            c = a + b
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    question = template.format(name=name, pronoun=PRONOUN[name], item=item, a=a, b=b)
+    return {
+        "key": f"{t_idx}:{a}:{b}",
+        "prompt": PROMPT_FORMAT.format(question=question),
+        "solution": f"{a} {op} {b} = {c}\n#### {c}",
+        "gold": str(c),
+    }
+
+
+def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = ArithmeticDifficulty()) -> list[dict]:
+    """``n`` problems of ``split`` ("train" or "heldout"), deterministic in ``seed``. Rows carry
+    ``id``, ``prompt``, ``gold`` (the number after ``####``), ``solution`` and ``task``."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    want_heldout = split == "heldout"
+    rng = random.Random(f"{seed}:{split}")
+    rows: list[dict] = []
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 200 * (n + 10):
+            raise RuntimeError(f"could not draw {n} {split} problems; widen the difficulty ranges")
+        p = make_problem(rng, diff)
+        if _is_heldout(p.pop("key"), diff.heldout_fraction) != want_heldout:
+            continue
+        rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "task": "arith", **p})
+    return rows

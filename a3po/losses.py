@@ -1,0 +1,107 @@
+"""Policy losses as pure tensor functions returning ``(loss, metrics)``.
+
+Shapes: every per-token tensor is ``(B, T)``; ``mask`` is bool (True on generated tokens).
+Normalisation: sums are divided by the number of tokens in ``mask`` (token-mean, as in
+DAPO/AReaL), so the scale of the gradient does not depend on how many tokens a cap drops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from a3po.checks import require_finite, require_same_shape
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    return torch.quantile(x.float(), q).item() if x.numel() else 0.0
+
+
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    behav_weight_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO clipped loss (Hilton et al., 2022, eq. 4; AReaL, Fu et al., 2025, eq. 5).
+
+    Per token::
+
+        r = pi_theta / pi_prox                       (grad flows through pi_theta only)
+        w = stopgrad(pi_prox / pi_behav)             (behaviour importance weight)
+        l = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))
+
+    Tokens with ``w > behav_weight_cap`` are dropped from the sum (their weight is unreliable);
+    the sum is divided by ``mask.sum()`` including dropped tokens, so masking never inflates the
+    gradient. ``eps_clip_high`` defaults to ``eps_clip`` (symmetric clip; DAPO's clip-higher
+    sets it larger). With ``prox_logp == behav_logp`` this is standard PPO-clip.
+
+    Args are ``(B, T)`` tensors; ``advantages`` may also be ``(B,)`` (one per sequence).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp)
+    require_same_shape(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask)
+    mask = mask.bool()
+    for name, t in (("logp", logp), ("prox_logp", prox_logp), ("behav_logp", behav_logp), ("advantages", advantages)):
+        require_finite(name, t.detach(), mask)
+    if eps_clip <= 0:
+        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    fmask = mask.to(logp.dtype)
+    # Zero outside the mask first so padding can never produce inf * 0 = NaN.
+    logp_m = torch.where(mask, logp, torch.zeros_like(logp))
+    prox_m = torch.where(mask, prox_logp.detach(), torch.zeros_like(logp))
+    behav_m = torch.where(mask, behav_logp.detach(), torch.zeros_like(logp))
+    adv = torch.where(mask, advantages.detach(), torch.zeros_like(logp))
+
+    ratio = torch.exp(logp_m - prox_m)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+
+    behav_w = torch.exp(prox_m - behav_m)
+    keep = mask
+    if behav_weight_cap is not None:
+        keep = mask & (behav_w <= behav_weight_cap)
+    per_token = per_token * behav_w * keep.to(logp.dtype)
+    loss = per_token.sum() / fmask.sum().clamp(min=1)
+
+    with torch.no_grad():
+        r = ratio[mask]
+        bw = behav_w[mask]
+        is_clipped = (clipped > unclipped) & mask
+        metrics = {
+            "loss/policy": loss.item(),
+            "policy/iw_mean": r.mean().item() if r.numel() else 0.0,
+            "policy/iw_max": r.max().item() if r.numel() else 0.0,
+            "policy/iw_p99": _quantile(r, 0.99),
+            "policy/behav_w_mean": bw.mean().item() if bw.numel() else 0.0,
+            "policy/behav_w_max": bw.max().item() if bw.numel() else 0.0,
+            "policy/behav_w_p99": _quantile(bw, 0.99),
+            "policy/clip_frac": _masked_mean(is_clipped.float(), fmask).item(),
+            "policy/behav_cap_frac": _masked_mean((mask & ~keep).float(), fmask).item(),
+            # k3 estimator of KL(prox || theta) (Schulman, "Approximating KL divergence").
+            "policy/approx_kl": _masked_mean((ratio - 1) - (logp_m - prox_m), fmask).item(),
+        }
+    return loss, metrics
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Standard PPO-clip (Schulman et al., 2017, eq. 7) with token-mean normalisation:
+    ``l = max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))``, ``r = pi_theta / pi_old``.
+    It is the decoupled loss with ``prox = behav = old`` (so ``w = 1``)."""
+    return decoupled_ppo_loss(logp, old_logp, old_logp, advantages, mask, eps_clip, eps_clip_high, None)

@@ -1,0 +1,77 @@
+"""One factory for policy models: a tiny causal LM built from a transformers config (Qwen2
+architecture) with the in-code tokenizer, or any causal LM and tokenizer loaded from a local
+path or hub name. The training and rollout code is the same for both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+
+from a3po.tokenizer import build_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """Sizes of a Qwen2-style model built from scratch."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 256
+
+
+# "tiny" learns the embedded task on 2 CPU cores in minutes; "small" (>5M params) is the
+# bench model where a forward pass costs enough to measure what loglinear saves.
+TINY_ARCHS: dict[str, TinyArch] = {
+    "micro": TinyArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+    "tiny": TinyArch(hidden_size=96, num_layers=2, num_heads=4, intermediate_size=256),
+    "small": TinyArch(hidden_size=320, num_layers=6, num_heads=8, intermediate_size=960),
+}
+
+
+def build_tiny_model(arch: str | TinyArch, words: list[str], seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A randomly initialised Qwen2 causal LM sized by ``arch`` with the in-code tokenizer over ``words``."""
+    spec = TINY_ARCHS[arch] if isinstance(arch, str) else arch
+    tokenizer = build_tokenizer(words)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float().eval(), tokenizer
+
+
+def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any causal LM and its tokenizer from a local directory or hub name.
+
+    Raises FileNotFoundError with the path when a local-looking path does not exist, rather
+    than letting the hub client try (and time out) offline.
+    """
+    p = Path(name_or_path)
+    if (str(name_or_path).startswith((".", "/", "~")) or p.exists()) and not p.expanduser().exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(p.expanduser()) if p.exists() else str(name_or_path))
+    model = AutoModelForCausalLM.from_pretrained(str(p.expanduser()) if p.exists() else str(name_or_path), dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        # Many chat models ship without a pad token; padding is always masked, so eos serves.
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

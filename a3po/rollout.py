@@ -1,0 +1,180 @@
+"""Rollout engine in plain torch + transformers: batched sampling with a KV cache.
+
+Prompts are left-padded so every row decodes at the same column; finished rows keep
+decoding pad tokens that are masked out. Each generated token records the behaviour
+log-prob of the distribution it was actually sampled from (temperature and top-p applied)
+and the policy version of the weights that produced it. Between decode steps an optional
+``between_steps`` hook may swap the weights (asynchronous RL's weight push): later tokens
+then carry the new version while the KV cache of earlier tokens is kept, as in AReaL's
+interruptible generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import inspect
+
+from transformers import DynamicCache, Qwen2ForCausalLM
+
+from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RolloutBatch:
+    """Prompt + response per row, padded into one ``(N, L)`` block ready for training.
+
+    ``response_mask`` marks generated tokens (the EOS included); ``behav_logp`` and
+    ``versions`` are defined there (0 and -1 elsewhere)."""
+
+    input_ids: torch.Tensor  # (N, L) left-padded prompt, then response, right-padded
+    attention_mask: torch.Tensor  # (N, L)
+    response_mask: torch.Tensor  # (N, L) bool
+    behav_logp: torch.Tensor  # (N, L) float32
+    versions: torch.Tensor  # (N, L) int64, -1 outside the response
+    finished: torch.Tensor  # (N,) bool: stopped on EOS (False = cut at max_new_tokens)
+    prompt_len: int  # padded prompt width P; responses start at column P
+    meta: list[dict] = field(default_factory=list)  # per-row data carried along (id, gold, group, ...)
+
+    @property
+    def responses(self) -> list[list[int]]:
+        """Generated token ids per row, EOS included."""
+        return [row[m].tolist() for row, m in zip(self.input_ids, self.response_mask)]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _cache_kwarg() -> str:
+    # transformers 5 renamed ``past_key_values`` to ``cache``; the same DynamicCache object is
+    # updated in place either way.
+    return "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+
+
+_CACHE_KW = _cache_kwarg()
+
+BetweenSteps = Callable[[int], "int | None"]
+
+
+class RolloutEngine:
+    """Samples from ``model`` in batches. ``version`` is the policy version of the current
+    weights; ``between_steps(step)`` may load new weights and return their version."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, version: int = 0) -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.version = version
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        between_steps: BetweenSteps | None = None,
+        meta: list[dict] | None = None,
+    ) -> RolloutBatch:
+        if len(prompts) == 0:
+            raise ValueError("generate() needs at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        device = next(self.model.parameters()).device
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+
+        new_tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        new_logp = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
+        new_version = torch.full((n, params.max_new_tokens), -1, dtype=torch.long, device=device)
+        alive = torch.ones(n, dtype=torch.bool, device=device)
+        finished = torch.zeros(n, dtype=torch.bool, device=device)
+
+        cache = DynamicCache()
+        step_ids, attn = ids, mask
+        positions = position_ids_from_mask(mask)
+        was_training = self.model.training
+        self.model.eval()
+        for t in range(params.max_new_tokens):
+            if between_steps is not None:
+                v = between_steps(t)
+                if v is not None:
+                    self.version = v
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True, **{_CACHE_KW: cache})
+            logp = sampling_log_softmax(out.logits[:, -1], params.temperature, params.top_p)  # (n, V)
+            if params.temperature == 0:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
+            new_tokens[:, t] = tok
+            new_logp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(new_logp[:, t]))
+            new_version[:, t] = torch.where(alive, torch.full_like(tok, self.version), new_version[:, t])
+            hit_eos = alive & (tok == self.eos_token_id)
+            finished |= hit_eos
+            alive_before = alive
+            alive = alive & ~hit_eos
+            if not bool(alive.any()):
+                break
+            step_ids = tok[:, None]
+            attn = torch.cat([attn, alive_before.long()[:, None]], dim=1)
+            positions = positions[:, -1:] + 1
+        self.model.train(was_training)
+
+        steps = t + 1
+        resp_mask = new_version[:, :steps] >= 0
+        return RolloutBatch(
+            input_ids=torch.cat([ids, new_tokens[:, :steps]], 1).cpu(),
+            attention_mask=torch.cat([mask, resp_mask.long()], 1).cpu(),
+            response_mask=torch.cat([torch.zeros_like(mask, dtype=torch.bool), resp_mask], 1).cpu(),
+            behav_logp=torch.cat([torch.zeros_like(mask, dtype=torch.float32), new_logp[:, :steps]], 1).cpu(),
+            versions=torch.cat([torch.full_like(mask, -1), new_version[:, :steps]], 1).cpu(),
+            finished=finished.cpu(),
+            prompt_len=width,
+            meta=list(meta) if meta is not None else [{} for _ in range(n)],
+        )
+
+
+def generate_text(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    params: SamplingParams,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> list[str]:
+    """Decode completions for text prompts (the evaluation entry point). Greedy when
+    ``params.temperature == 0``; EOS and padding are stripped from the returned text."""
+    engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    gen = torch.Generator().manual_seed(seed)
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]
+        batch = engine.generate(chunk, params, generator=gen)
+        for resp in batch.responses:
+            if resp and resp[-1] == tokenizer.eos_token_id:
+                resp = resp[:-1]
+            out.append(tokenizer.decode(resp, skip_special_tokens=True))
+    return out
