@@ -1,0 +1,211 @@
+"""Asynchronous rollout/training controller: a producer thread generates rollouts while the
+trainer consumes them, with a bound on how stale a sample may be.
+
+* :class:`WeightStore` holds versioned policy weights. The trainer publishes version ``v+1``
+  after each update; the producer loads new versions, also between decode steps of a batch
+  already under way, so a sequence can mix tokens of two versions (each token records its own).
+* :class:`Admission` is the staleness bound: never more samples admitted than
+  ``(max_staleness + version + 1) * batch_size``. ``max_staleness = 0`` is synchronous RL.
+* Two schedules. ``threaded``: the producer free-runs (loads the newest weights whenever they
+  appear). ``deterministic``: the same threads, but batch ``j`` always starts on version
+  ``max(0, j - s)`` and switches to ``j - s + 1`` halfway through decoding, the point where the
+  trainer finishes its concurrent step in the steady state. Runs are then reproducible bit for
+  bit, and a run resumed from a checkpoint equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """Seed of batch ``index``'s sampling (not ``hash()``: Python salts string hashes per process)."""
+    return (seed * 1_000_003 + index * 7919 + 17) % (2**31 - 1)
+
+
+class Stopped(Exception):
+    """The controller was shut down while a thread was waiting."""
+
+
+def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class WeightStore:
+    """Versioned weights with a short history (the deterministic schedule and checkpoints
+    need the last ``keep`` versions, not only the newest)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = max(1, keep)
+        self.cond = threading.Condition()
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.latest = -1
+        self.closed = False
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self.cond:
+            self._weights[version] = state
+            self.latest = max(self.latest, version)
+            for v in [v for v in self._weights if v <= self.latest - self.keep]:
+                del self._weights[v]
+            self.cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool]) -> None:
+        with self.cond:
+            while not predicate():
+                if self.closed:
+                    raise Stopped()
+                self.cond.wait(timeout=1.0)
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        self.wait_until(lambda: self.latest >= version)
+        with self.cond:
+            if version not in self._weights:
+                raise KeyError(f"policy version {version} is no longer kept (have {sorted(self._weights)})")
+            return self._weights[version]
+
+    def history(self, since: int) -> dict[int, dict[str, torch.Tensor]]:
+        with self.cond:
+            return {v: s for v, s in self._weights.items() if v >= since}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Admission:
+    """Staleness bound by admission control, counted in samples."""
+
+    def __init__(self, store: WeightStore, max_staleness: int, batch_size: int, admitted: int = 0) -> None:
+        self.store, self.max_staleness, self.batch_size = store, max_staleness, batch_size
+        self.admitted = admitted
+
+    def capacity(self, version: int) -> int:
+        return (self.max_staleness + version + 1) * self.batch_size
+
+    def admit(self, n: int) -> None:
+        """Block until ``n`` more samples fit under the bound for the current version."""
+        self.store.wait_until(lambda: self.admitted + n <= self.capacity(self.store.latest))
+        self.admitted += n
+
+
+class PromptSampler:
+    """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts."""
+
+    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int) -> None:
+        self.rows, self.batch_prompts, self.group_size, self.seed = rows, batch_prompts, group_size, seed
+        self._ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+
+    def batch(self, j: int) -> tuple[list[list[int]], list[dict]]:
+        rng = random.Random(f"{self.seed}:prompts:{j}")
+        picks = rng.sample(range(len(self.rows)), min(self.batch_prompts, len(self.rows)))
+        prompts, meta = [], []
+        for g, i in enumerate(picks):
+            for _ in range(self.group_size):
+                prompts.append(self._ids[i])
+                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"], "group": j * self.batch_prompts + g})
+        return prompts, meta
+
+
+@dataclass
+class ScoredBatch:
+    index: int
+    rollout: RolloutBatch
+    rewards: torch.Tensor  # (N,)
+    completions: list[str]
+    gen_time_s: float
+
+
+class ProducerFailed(RuntimeError):
+    pass
+
+
+class RolloutProducer(threading.Thread):
+    """Generates batches ``start, start+1, ...`` into ``out`` under the admission bound."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        store: WeightStore,
+        admission: Admission,
+        sampler: PromptSampler,
+        params: SamplingParams,
+        score: Callable[[list[str], list[dict]], list[float]],
+        decode: Callable[[list[int]], str],
+        max_staleness: int,
+        schedule: str,
+        seed: int,
+        start: int = 0,
+    ) -> None:
+        super().__init__(name="rollout-producer", daemon=True)
+        self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
+        self.params, self.score, self.decode = params, score, decode
+        self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
+        self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
+        self._halt = threading.Event()
+
+    def _load(self, version: int) -> None:
+        if version != self.engine.version:
+            self.engine.model.load_state_dict(self.store.get(version))
+            self.engine.version = version
+
+    def _between_steps(self, j: int) -> Callable[[int], int | None]:
+        if self.schedule == "deterministic":
+            switch_to, switch_at = j - self.s + 1, self.params.max_new_tokens // 2
+
+            def hook(t: int) -> int | None:
+                # The trainer's concurrent step (on batch j - s) lands halfway through batch j.
+                if self.s >= 1 and switch_to >= 1 and t == switch_at:
+                    self._load(switch_to)
+                    return switch_to
+                return None
+        else:
+
+            def hook(t: int) -> int | None:
+                latest = self.store.latest
+                if latest > self.engine.version:
+                    self._load(latest)
+                    return latest
+                return None
+
+        return hook
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                j = self.next_index
+                prompts, meta = self.sampler.batch(j)
+                self.admission.admit(len(prompts))
+                self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+                t0 = time.perf_counter()
+                gen = torch.Generator().manual_seed(batch_seed(self.seed, j))
+                rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
+                completions = [self.decode(r) for r in rollout.responses]
+                rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32)
+                self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0))
+                self.next_index = j + 1
+        except Stopped:
+            pass
+        except BaseException as e:  # surfaced in the trainer thread, with the traceback
+            self.out.put(ProducerFailed(f"rollout producer failed: {e!r}\n{traceback.format_exc()}"))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.store.close()
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
+        item = self.out.get(timeout=timeout)
+        if isinstance(item, ProducerFailed):
+            raise item
+        return item

@@ -1,0 +1,97 @@
+"""End-to-end training for one variant: model -> data -> warm start (cached) -> RL -> export.
+
+This is what ``a3po train`` and the Prefect tasks call. The warm start is keyed by a hash of
+the configs that determine it, so every variant and seed of a comparison starts from the very
+same weights and pays for it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from a3po.arithmetic import WORDS
+from a3po.config import TrainConfig
+from a3po.data import load_rows
+from a3po.evaluate import heldout_accuracy
+from a3po.metrics import MetricLogger
+from a3po.models import TINY_ARCHS, build_tiny_model, load_pretrained
+from a3po.trainer import TrainResult, rl_train
+from a3po.warmstart import warm_start
+
+
+def build_model(cfg: TrainConfig):
+    """A built-in architecture name, or a path / hub name of a pretrained causal LM."""
+    if cfg.model.name in TINY_ARCHS:
+        return build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
+    return load_pretrained(cfg.model.name)
+
+
+def warmstart_key(cfg: TrainConfig) -> str:
+    blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write an HF model directory next to ``out_dir`` and rename it into place."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[str], None] = print) -> tuple[Path, float]:
+    """Warm-start once per (model, data, warm_start) config; returns (model dir, held-out acc)."""
+    out = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
+    meta = out / "a3po_warmstart.json"
+    if meta.exists():
+        return out, json.loads(meta.read_text())["heldout_acc"]
+    model, tokenizer = build_model(cfg)
+    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
+    torch.manual_seed(cfg.warm_start.seed)
+    log(f"warm start: {cfg.warm_start.steps} supervised steps on {len(train_rows)} problems")
+    ws = warm_start(model, tokenizer, train_rows, cfg.warm_start)
+    acc = heldout_accuracy(model, tokenizer, heldout_rows, cfg.data.task, cfg.rl.max_new_tokens)
+    save_pretrained_atomic(model, tokenizer, out)
+    (out / "a3po_warmstart.json").write_text(json.dumps({"heldout_acc": acc, **ws}))
+    return out, acc
+
+
+def train_variant(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    warmstart_dir: str | Path,
+    warmstart_acc: float,
+    logger: MetricLogger | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
+    and exports the final weights to ``run_dir/final`` (an HF model directory)."""
+    run_dir = Path(run_dir)
+    model, tokenizer = load_pretrained(warmstart_dir)
+    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
+    result = rl_train(
+        cfg, model, tokenizer, train_rows, heldout_rows,
+        ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
+    )
+    save_pretrained_atomic(model, tokenizer, run_dir / "final")
+    (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
+    return result

@@ -1,0 +1,257 @@
+"""The RL training step and loop.
+
+One step reads top to bottom: rollout (already produced, maybe stale) -> advantages ->
+proximal log-probs -> minibatch updates of the decoupled PPO loss -> metrics. The variants
+differ only in the proximal method and the staleness bound, both resolved before the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from a3po.advantages import ADVANTAGE_ESTIMATORS
+from a3po.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from a3po.config import RLConfig, TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
+from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
+from a3po.evaluate import heldout_accuracy
+from a3po.logprobs import token_logprobs
+from a3po.losses import decoupled_ppo_loss
+from a3po.metrics import MetricLogger, NullLogger
+from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
+from a3po.rewards import score_completions
+from a3po.rollout import RolloutEngine, SamplingParams
+
+
+def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    v = x[mask.bool()].float()
+    return (v.mean().item(), v.max().item()) if v.numel() else (0.0, 0.0)
+
+
+def train_step(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scored: ScoredBatch,
+    version: int,
+    cfg: RLConfig,
+    method: ProximalMethod,
+) -> dict[str, float]:
+    """One policy update on one (possibly stale) batch; returns the step's metrics."""
+    t_start = time.perf_counter()
+    batch, rewards = scored.rollout, scored.rewards
+    ids, attn, resp = batch.input_ids, batch.attention_mask, batch.response_mask
+    n = len(batch)
+
+    # 1. Advantages: one per sequence, normalised within each prompt's group.
+    group_ids = torch.tensor([m["group"] for m in batch.meta])
+    adv = ADVANTAGE_ESTIMATORS.get(cfg.advantage)(rewards, group_ids)
+
+    # 2. Staleness of every generated token: trainer version minus the version that sampled it.
+    staleness = torch.where(resp, version - batch.versions, torch.full_like(batch.versions, -1))
+
+    # 3. Proximal anchor = the weights before this update. Only methods that need it pay for
+    #    the extra forward pass (recompute, metrics); loglinear never runs the model here.
+    t0 = time.perf_counter()
+    exact_prox = None
+    if method.needs_forward:
+        with torch.no_grad():
+            exact_prox = token_logprobs(policy, ids, attn, cfg.temperature)
+    prox_time = time.perf_counter() - t0
+
+    # 4. Minibatch updates of the decoupled PPO loss.
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + version))
+    policy.train()
+    step_metrics: list[dict[str, float]] = []
+    entropy_sum, entropy_n = 0.0, 0
+    for mb in perm.chunk(cfg.minibatches):
+        logp, ent = token_logprobs(policy, ids[mb], attn[mb], cfg.temperature, return_entropy=True)
+        t0 = time.perf_counter()
+        prox, prox_metrics = method(
+            ProxInputs(
+                behav_logp=batch.behav_logp[mb],
+                theta_logp=logp.detach(),
+                staleness=staleness[mb],
+                mask=resp[mb],
+                recompute_logp=lambda mb=mb: exact_prox[mb],
+            )
+        )
+        prox_time += time.perf_counter() - t0
+        loss, loss_metrics = decoupled_ppo_loss(
+            logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step_metrics.append({**loss_metrics, **prox_metrics, "policy/grad_norm": float(grad_norm)})
+        entropy_sum += ent[resp[mb]].sum().item()
+        entropy_n += int(resp[mb].sum())
+    policy.eval()
+
+    # 5. Metrics: mean over minibatches (max for maxima), plus rollout-level figures.
+    step_time = time.perf_counter() - t_start
+    metrics = {k: (max if k.endswith("_max") else (lambda v: sum(v) / len(v)))([m[k] for m in step_metrics]) for k in step_metrics[0]}
+    st_mean, st_max = _masked_stats(staleness, resp)
+    n_tokens = int(resp.sum())
+    metrics.update(
+        {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "policy/entropy": entropy_sum / max(entropy_n, 1),
+            "staleness/mean": st_mean,
+            "staleness/max": st_max,
+            "prox/time_s": prox_time,
+            "perf/step_time_s": step_time,
+            "perf/gen_time_s": scored.gen_time_s,
+            "perf/tokens_per_s": n_tokens / step_time,
+            "response/length_mean": n_tokens / n,
+            "response/truncated_frac": 1.0 - batch.finished.float().mean().item(),
+        }
+    )
+    return metrics
+
+
+@dataclass
+class TrainResult:
+    variant: str
+    seed: int
+    warmstart_acc: float
+    final_acc: float
+    steps: int
+    wall_s: float
+    history: list[dict[str, float]] = field(default_factory=list)  # per-step metrics
+    eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acc)
+    checkpoint: str | None = None
+    resumed_from: int | None = None
+
+    def summary(self) -> dict:
+        return {
+            "variant": self.variant,
+            "seed": self.seed,
+            "warmstart_acc": round(self.warmstart_acc, 4),
+            "final_acc": round(self.final_acc, 4),
+            "steps": self.steps,
+            "wall_s": round(self.wall_s, 2),
+            "resumed_from": self.resumed_from,
+        }
+
+
+def rl_train(
+    cfg: TrainConfig,
+    policy: torch.nn.Module,
+    tokenizer,
+    train_rows: list[dict],
+    heldout_rows: list[dict],
+    ckpt_dir: str | None = None,
+    logger: MetricLogger | None = None,
+    warmstart_acc: float | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """RL-train ``policy`` in place; resumes from the latest checkpoint in ``ckpt_dir``."""
+    rl = cfg.rl
+    logger = logger or NullLogger()
+    s = effective_max_staleness(rl)
+    method = PROXIMAL_METHODS.get(proximal_method_name(rl))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
+    store = WeightStore(keep=s + 2)
+    history: list[dict[str, float]] = []
+    eval_curve: list[tuple[int, float]] = []
+    start, train_wall, resumed_from = 0, 0.0, None
+
+    ckpt = latest_checkpoint(ckpt_dir) if ckpt_dir else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt)
+        policy.load_state_dict(state["policy"])
+        optimizer.load_state_dict(state["optimizer"])
+        for v, w in sorted(state["weights_history"].items()):
+            store.publish(v, w)
+        start = resumed_from = state["step"]
+        history, eval_curve = state["history"], state["eval_curve"]
+        train_wall, warmstart_acc = state["train_wall_s"], state["warmstart_acc"]
+    if store.latest < start:
+        store.publish(start, clone_state(policy))
+    if warmstart_acc is None:
+        warmstart_acc = heldout_accuracy(policy, tokenizer, heldout_rows, cfg.data.task, rl.max_new_tokens)
+        eval_curve = [(0, warmstart_acc)]
+        logger.log_metrics({"eval/heldout_acc": warmstart_acc}, 0)
+
+    # The producer samples from its own copy of the policy (the "inference engine").
+    engine_model = type(policy)(policy.config)
+    engine_model.load_state_dict(store.get(store.latest))
+    engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
+    sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed)
+    batch_size = rl.batch_prompts * rl.group_size
+    producer = RolloutProducer(
+        engine,
+        store,
+        Admission(store, s, batch_size, admitted=start * batch_size),
+        sampler,
+        SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_p),
+        score=lambda comps, meta: score_completions(cfg.data.task, comps, [m["gold"] for m in meta], [m["id"] for m in meta]),
+        decode=lambda toks: tokenizer.decode([t for t in toks if t != tokenizer.eos_token_id], skip_special_tokens=True),
+        max_staleness=s,
+        schedule=rl.schedule,
+        seed=rl.seed,
+        start=start,
+    )
+    producer.start()
+    t_run = time.perf_counter()
+    last_ckpt = str(ckpt) if ckpt else None
+    try:
+        for step in range(start, rl.steps):
+            t0 = time.perf_counter()
+            scored = producer.next_batch()
+            wait = time.perf_counter() - t0
+            if scored.index != step:
+                raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
+            metrics = train_step(policy, optimizer, scored, step, rl, method)
+            store.publish(step + 1, clone_state(policy))
+            train_wall += wait + metrics["perf/step_time_s"]
+            metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
+            if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
+                acc = heldout_accuracy(policy, tokenizer, heldout_rows, cfg.data.task, rl.max_new_tokens)
+                eval_curve.append((step + 1, acc))
+                metrics["eval/heldout_acc"] = acc
+            history.append(metrics)
+            logger.log_metrics(metrics, step + 1)
+            if progress is not None:
+                progress(step + 1, metrics)
+            if ckpt_dir and ((step + 1) % rl.checkpoint_every == 0 or step + 1 == rl.steps):
+                last_ckpt = str(
+                    save_checkpoint(
+                        ckpt_dir,
+                        step + 1,
+                        {
+                            "step": step + 1,
+                            "policy": policy.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            # Versions the producer still needs to regenerate the in-flight batches.
+                            "weights_history": store.history(since=step + 1 - s),
+                            "history": history,
+                            "eval_curve": eval_curve,
+                            "train_wall_s": train_wall,
+                            "warmstart_acc": warmstart_acc,
+                            "config": config_to_dict(cfg),
+                        },
+                        keep=rl.keep_checkpoints,
+                    )
+                )
+    finally:
+        producer.stop()
+        producer.join(timeout=30)
+    final_acc = eval_curve[-1][1] if eval_curve else warmstart_acc
+    return TrainResult(
+        variant=rl.variant.value,
+        seed=rl.seed,
+        warmstart_acc=warmstart_acc,
+        final_acc=final_acc,
+        steps=rl.steps,
+        wall_s=time.perf_counter() - t_run,
+        history=history,
+        eval_curve=eval_curve,
+        checkpoint=last_ckpt,
+        resumed_from=resumed_from,
+    )
