@@ -52,6 +52,10 @@ class DataConfig:
     n_heldout: int = 200
     seed: int = 1234
     """Seed of the embedded task generator (independent of the training seed)."""
+    max_add: int = 9
+    """Embedded task: operands of + and - lie in [1, max_add]."""
+    max_mul: int = 5
+    """Embedded task: operands of * lie in [2, max_mul]."""
     max_prompt_tokens: int = 96
     on_bad_row: str = "error"
     """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from a3po.arithmetic import generate_split
+from a3po.arithmetic import ArithmeticDifficulty, generate_split
 from a3po.config import DataConfig
 
 
@@ -33,8 +33,9 @@ class DatasetReport:
 REQUIRED_FIELDS = ("prompt", "gold")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSONL file; a line that is not a JSON object raises naming file and line."""
+def read_jsonl(path: str | Path, on_bad_row: str = "error") -> list[dict]:
+    """Rows of a JSONL file; a line that is not a JSON object raises naming file and line, or
+    (``on_bad_row='skip'``) becomes a row carrying ``_error`` that :func:`validate_rows` counts."""
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -42,10 +43,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 continue
             try:
                 row = json.loads(line)
+                problem = None if isinstance(row, dict) else f"expected a JSON object, got {type(row).__name__}"
             except json.JSONDecodeError as e:
-                raise BadRowError(f"{path}: row {lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise BadRowError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
+                problem = f"not valid JSON ({e.msg})"
+            if problem is not None:
+                if on_bad_row == "error":
+                    raise BadRowError(f"{path}: row {lineno}: {problem}")
+                row = {"_error": problem}
             row.setdefault("_row", lineno)
             rows.append(row)
     return rows
@@ -59,7 +63,9 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
         where = f"{source}: row {row.get('_row', i + 1)}"
         problem = None
         missing = [k for k in REQUIRED_FIELDS if k not in row]
-        if missing:
+        if "_error" in row:
+            problem = row["_error"]
+        elif missing:
             problem = f"missing field(s) {missing}"
         elif not all(isinstance(row[k], str) and row[k].strip() for k in REQUIRED_FIELDS):
             problem = "empty or non-string 'prompt'/'gold'"
@@ -68,7 +74,7 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
             if n_tok > max_prompt_tokens:
                 problem = f"prompt has {n_tok} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
         if problem is None:
-            kept.append({"id": str(row.get("id", f"{source}#{i}")), **{k: v for k, v in row.items() if k != "_row"}})
+            kept.append({**{k: v for k, v in row.items() if k != "_row"}, "id": str(row.get("id", f"{source}#{i}"))})
             continue
         if on_bad_row == "error":
             raise BadRowError(f"{where}: {problem}")
@@ -81,8 +87,8 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
 
 def load_rows(cfg: DataConfig, tokenizer) -> tuple[list[dict], list[dict], list[DatasetReport]]:
     """Train and held-out rows for ``cfg``, validated against ``tokenizer``."""
-    raw_train = read_jsonl(cfg.train_path) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed)
-    raw_held = read_jsonl(cfg.heldout_path) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed)
+    raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed)
+    raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed)
     train, r1 = validate_rows(raw_train, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.train_path or "arith:train")
     held, r2 = validate_rows(raw_held, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.heldout_path or "arith:heldout")
     return train, held, [r1, r2]

@@ -4,11 +4,20 @@ path or hub name. The training and rollout code is the same for both."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from a3po.tokenizer import build_tokenizer
 
@@ -65,12 +74,25 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     p = Path(name_or_path)
     if (str(name_or_path).startswith((".", "/", "~")) or p.exists()) and not p.expanduser().exists():
         raise FileNotFoundError(f"model path {p} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(str(p.expanduser()) if p.exists() else str(name_or_path))
-    model = AutoModelForCausalLM.from_pretrained(str(p.expanduser()) if p.exists() else str(name_or_path), dtype=dtype)
+    source = str(p.expanduser()) if p.exists() else str(name_or_path)
+    tokenizer = _load_tokenizer(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     if tokenizer.pad_token_id is None:
         # Many chat models ship without a pad token; padding is always masked, so eos serves.
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, except for a tokenizer saved from a bare ``tokenizer.json`` (the in-code
+    one): AutoTokenizer would pick the model type's tokenizer class (Qwen2Tokenizer) and
+    replace its pre-tokenizer, silently changing the ids."""
+    cfg_file = Path(source) / "tokenizer_config.json"
+    if cfg_file.exists():
+        tok_class = json.loads(cfg_file.read_text()).get("tokenizer_class")
+        if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

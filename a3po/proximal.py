@@ -96,11 +96,20 @@ class _Recompute:
         return inp.recompute_logp().detach(), {}
 
 
+def _loglinear_on_mask(inp: ProxInputs) -> torch.Tensor:
+    """Loglinear over the generated tokens; 0 elsewhere, so a non-finite log-prob of a prompt or
+    pad token (e.g. outside a top-p nucleus) is ignored there, as the loss ignores it."""
+    m = inp.mask.bool()
+    behav = torch.where(m, inp.behav_logp, torch.zeros_like(inp.behav_logp))
+    theta = torch.where(m, inp.theta_logp.detach(), torch.zeros_like(behav))
+    return loglinear_prox_logp(behav, theta, inp.staleness.clamp(min=0))
+
+
 class _LogLinear:
     needs_forward = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        return loglinear_prox_logp(inp.behav_logp, inp.theta_logp, inp.staleness.clamp(min=0)), {}
+        return _loglinear_on_mask(inp), {}
 
 
 class _Metrics:
@@ -110,7 +119,7 @@ class _Metrics:
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         exact = inp.recompute_logp().detach()
-        approx = loglinear_prox_logp(inp.behav_logp, inp.theta_logp, inp.staleness.clamp(min=0))
+        approx = _loglinear_on_mask(inp)
         return exact, approximation_error(approx, exact, inp.mask)
 
 

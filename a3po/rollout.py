@@ -5,8 +5,9 @@ decoding pad tokens that are masked out. Each generated token records the behavi
 log-prob of the distribution it was actually sampled from (temperature and top-p applied)
 and the policy version of the weights that produced it. Between decode steps an optional
 ``between_steps`` hook may swap the weights (asynchronous RL's weight push): later tokens
-then carry the new version while the KV cache of earlier tokens is kept, as in AReaL's
-interruptible generation.
+then carry the new version, and the KV cache of earlier tokens is recomputed with the new
+weights (as AReaL's interruptible generation discards the stale cache), so a token's
+behaviour log-prob is exactly that of its recorded version given its prefix.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ class RolloutEngine:
                 v = between_steps(t)
                 if v is not None:
                     self.version = v
+                    if t > 0:
+                        # New weights: a cache built by the old ones would make later tokens
+                        # come from neither version. Re-run the prefix (prompt + tokens so far).
+                        cache = DynamicCache()
+                        step_ids = torch.cat([ids, new_tokens[:, :t]], dim=1)
+                        positions = position_ids_from_mask(attn)
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True, **{_CACHE_KW: cache})
             logp = sampling_log_softmax(out.logits[:, -1], params.temperature, params.top_p)  # (n, V)
             if params.temperature == 0:

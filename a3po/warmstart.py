@@ -3,6 +3,7 @@ so RL starts from partial competence instead of from random outputs."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -37,7 +38,11 @@ def warm_start(model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmSta
         raise ValueError("warm start needs rows with a 'solution' field (the embedded task has one)")
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    # Linear warm-up, then cosine decay to 10%: a tiny model trained at a high rate ends noisy otherwise.
+    warm = max(1, min(20, cfg.steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
+    )
     model.train()
     loss_val = float("nan")
     for step in range(cfg.steps):

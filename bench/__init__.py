@@ -1,0 +1,1 @@
+"""Benchmarks, each runnable as ``python -m bench.<name>``; each ends with one JSON line of its key figures."""

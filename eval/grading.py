@@ -1,0 +1,231 @@
+"""The grader: one verifiable reward for RL and one scorer for the benchmarks.
+
+``score(task, completion, gold) -> float`` is the RL reward (``arith``) and the benchmark
+metric (``gsm8k``, ``math500``, ``aime24``); ``grade`` returns the same decision with what was
+extracted and how, for per-item records. The steps:
+
+1. the gold is normalised by the task (GSM8K: the number on its ``#### N`` line, commas allowed;
+   AIME: an integer, so ``"025"`` is 25);
+2. the answer is extracted from the completion (``eval.answers``: last ``\\boxed{}``, else
+   ``#### N``, else "the answer is X", else the last number);
+3. **fast path**: when both are plain numbers they compare exactly, in-process, in a few
+   microseconds (the trainer scores hundreds of samples a second, almost all plain numbers);
+4. otherwise math-verify decides, in a killable worker process (``eval.verifier``), bounded by
+   ``GradingConfig.timeout_s`` from any thread or process; a timeout scores 0 and is counted.
+   ``arith`` never takes this path: its answers are integers, and anything else scores 0.
+
+Answers longer than ``max_answer_chars`` score 0 without parsing (no benchmark answer is near
+that long; it keeps pathological completions from occupying the worker).
+
+Counters (``stats()``) are per process: calls, fast-path decisions, math-verify calls, timeouts,
+worker errors, answers not found, answers too long.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import Callable, Literal
+
+from a3po.registry import Registry
+from eval.answers import extract_answer, hash_answer, plain_number
+
+Method = Literal["boxed", "hash", "answer_is", "last_number", "none"]
+GradePath = Literal["fast", "math_verify", "skipped"]
+
+
+@dataclass(frozen=True)
+class GradingConfig:
+    """Bounds of the grader (process-wide; replace with ``set_config``)."""
+
+    timeout_s: float = 5.0
+    """Wall-clock limit of one math-verify comparison (parse both + verify), seconds, > 0."""
+    max_answer_chars: int = 1000
+    """Extracted answers longer than this score 0 without being parsed."""
+    memory_limit_mb: int = 2048
+    """Address-space limit of the math-verify evaluator process (0 = none)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_answer_chars < 1:
+            raise ValueError(f"max_answer_chars must be >= 1, got {self.max_answer_chars}")
+        if self.memory_limit_mb < 0:
+            raise ValueError(f"memory_limit_mb must be >= 0, got {self.memory_limit_mb}")
+
+
+@dataclass(frozen=True, slots=True)
+class GradeResult:
+    score: float  # 1.0 correct, 0.0 otherwise
+    extracted: str | None  # the answer found in the completion (None: no answer)
+    method: Method  # how it was found (see eval.answers)
+    path: GradePath  # fast = exact plain-number compare; math_verify = worker; skipped = no comparison
+    gold: str  # the normalised gold it was compared with
+    timed_out: bool = False
+    error: str | None = None  # why a comparison failed (worker error, answer too long, ...)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How one task's golds read and whether non-numeric answers go to math-verify."""
+
+    normalise_gold: Callable[[str], str]
+    symbolic: bool  # False: only plain numbers can be correct (no worker round-trip ever)
+    integer: bool = False  # True: answers are integers (AIME), so 25.5 never equals 25
+
+
+TASKS: Registry[TaskSpec] = Registry("grading task")
+
+
+def _strip(gold: str) -> str:
+    return str(gold).strip()
+
+
+def _gsm8k_gold(gold: str) -> str:
+    """A GSM8K answer field ("...\\n#### 1,234") or a bare gold -> "1234"."""
+    gold = str(gold)
+    answer = (hash_answer(gold) if "####" in gold else gold.strip()) or ""
+    return answer.replace(",", "") if plain_number(answer) is not None else answer
+
+
+def _integer_gold(gold: str) -> str:
+    """AIME golds are integers 0-999 written with leading zeros ("025") -> "25"."""
+    value = plain_number(str(gold))
+    return str(int(value)) if value is not None and value == int(value) else str(gold).strip()
+
+
+TASKS.register("arith")(TaskSpec(normalise_gold=_gsm8k_gold, symbolic=False, integer=True))
+TASKS.register("gsm8k")(TaskSpec(normalise_gold=_gsm8k_gold, symbolic=True))
+TASKS.register("math500")(TaskSpec(normalise_gold=_strip, symbolic=True))
+TASKS.register("aime24")(TaskSpec(normalise_gold=_integer_gold, symbolic=True, integer=True))
+
+
+# ---------------------------------------------------------------- process-wide state
+
+_config = GradingConfig()
+_verifier = None  # eval.verifier.Verifier, created on the first symbolic comparison
+_state_lock = threading.Lock()
+_COUNTERS = ("calls", "fast", "math_verify", "timeouts", "errors", "no_answer", "too_long")
+_counts = dict.fromkeys(_COUNTERS, 0)
+
+
+def _reset_lock_after_fork() -> None:
+    # A thread of the parent may have held the lock at fork time; the child must not inherit that.
+    global _state_lock
+    _state_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
+
+
+def set_config(config: GradingConfig) -> None:
+    """Replace the grader's bounds (a new memory limit applies from the next worker start)."""
+    global _config
+    _config = config
+
+
+def get_config() -> GradingConfig:
+    return _config
+
+
+def stats() -> dict[str, int]:
+    """Counters since the process started (or ``reset_stats``): calls, fast, math_verify,
+    timeouts, errors, no_answer, too_long, worker_starts."""
+    with _state_lock:
+        out = dict(_counts)
+    out["worker_starts"] = _verifier.starts if _verifier is not None else 0
+    return out
+
+
+def reset_stats() -> None:
+    with _state_lock:
+        for k in _COUNTERS:
+            _counts[k] = 0
+
+
+def _count(key: str) -> None:
+    with _state_lock:
+        _counts[key] += 1
+
+
+def _get_verifier():
+    global _verifier
+    if _verifier is None:
+        with _state_lock:
+            if _verifier is None:
+                from eval.verifier import Verifier
+
+                _verifier = Verifier(memory_limit_mb=_config.memory_limit_mb)
+    elif _verifier.memory_limit_mb != _config.memory_limit_mb:
+        _verifier.memory_limit_mb = _config.memory_limit_mb
+        _verifier.close()  # restarts with the new limit on next use
+    return _verifier
+
+
+def warmup() -> None:
+    """Start the math-verify worker now rather than on the first symbolic comparison (~1 s)."""
+    _get_verifier().start()
+
+
+def shutdown() -> None:
+    """Stop the worker (it is also stopped at exit); the next symbolic comparison restarts it."""
+    if _verifier is not None:
+        _verifier.close()
+
+
+# ---------------------------------------------------------------- grading
+
+
+@lru_cache(maxsize=65536)
+def _gold(task: str, gold: str) -> tuple[TaskSpec, str, int | Fraction | None]:
+    """(spec, normalised gold, its plain-number value): golds repeat across samples and epochs."""
+    spec = TASKS.get(task)
+    gold_n = spec.normalise_gold(gold)
+    return spec, gold_n, plain_number(gold_n)
+
+
+def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = None) -> GradeResult:
+    """Grade one completion against one gold answer (see the module docstring for the steps)."""
+    spec, gold_n, gold_v = _gold(task, gold)
+    _count("calls")
+    answer, method = extract_answer(completion)
+    if answer is None:
+        _count("no_answer")
+        return GradeResult(0.0, None, method, "skipped", gold_n)
+
+    pred_v = plain_number(answer)
+    if pred_v is not None and gold_v is not None:
+        _count("fast")
+        if spec.integer and pred_v != int(pred_v):
+            return GradeResult(0.0, answer, method, "fast", gold_n)
+        return GradeResult(float(pred_v == gold_v), answer, method, "fast", gold_n)
+    if not spec.symbolic:
+        _count("fast")
+        return GradeResult(0.0, answer, method, "fast", gold_n, error="not a plain number")
+    if len(answer) > _config.max_answer_chars:
+        _count("too_long")
+        return GradeResult(0.0, answer[:200], method, "skipped", gold_n, error="answer too long")
+
+    _count("math_verify")
+    try:
+        out = _get_verifier().check(gold_n, answer, timeout_s if timeout_s is not None else _config.timeout_s)
+    except RuntimeError as e:  # the worker could not start: score 0, count it, never crash a trainer
+        _count("errors")
+        return GradeResult(0.0, answer, method, "math_verify", gold_n, error=f"worker unavailable: {e}")
+    if out.timed_out:
+        _count("timeouts")
+    elif out.error:
+        _count("errors")
+    return GradeResult(float(out.equal), answer, method, "math_verify", gold_n, out.timed_out, out.error)
+
+
+def score(task: str, completion: str, gold: str, *, timeout_s: float | None = None) -> float:
+    """1.0 when the completion's final answer equals ``gold`` for ``task``, else 0.0.
+
+    ``task`` is one of ``arith``, ``gsm8k``, ``math500``, ``aime24``. Never raises on bad
+    completions; a comparison that exceeds the timeout scores 0 (see ``stats()``)."""
+    return grade(task, completion, gold, timeout_s=timeout_s).score

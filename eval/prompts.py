@@ -1,0 +1,68 @@
+"""Prompt templates: how a bare problem becomes the text the model continues.
+
+Instruction-tuned models are evaluated through their own chat template, asked to put the final
+answer in ``\\boxed{}`` (what the grader looks for first); a tokenizer without a chat template
+(a base model, the in-code tiny tokenizer) gets a plain "Question: ... Answer:" layout with the
+same instruction. ``auto`` picks between the two; ``raw`` passes the prompt through unchanged
+(the embedded arithmetic task stores ready-made prompts). Templates are registered by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from a3po.registry import Registry
+
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    template: str = "auto"
+    """Template name: auto | chat | plain | raw (see TEMPLATES)."""
+    instruction: str = DEFAULT_INSTRUCTION
+    """Appended to the problem; it names the answer format the grader reads first."""
+    system: str | None = None
+    """Optional system message (chat template only)."""
+
+    def __post_init__(self) -> None:
+        TEMPLATES.get(self.template)  # an unknown name raises here, listing the valid ones
+
+
+Template = Callable[[str, Any, PromptConfig], str]
+TEMPLATES: Registry[Template] = Registry("prompt template")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+@TEMPLATES.register("chat")
+def chat_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
+    if not has_chat_template(tokenizer):
+        raise ValueError("template 'chat' needs a tokenizer with a chat template; use 'plain' or 'auto'")
+    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    messages.append({"role": "user", "content": f"{problem}\n{cfg.instruction}".strip()})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@TEMPLATES.register("plain")
+def plain_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
+    instruction = f"{cfg.instruction}\n" if cfg.instruction else ""
+    return f"Question: {problem}\n{instruction}Answer: "
+
+
+@TEMPLATES.register("raw")
+def raw_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
+    return problem
+
+
+@TEMPLATES.register("auto")
+def auto_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
+    return (chat_prompt if has_chat_template(tokenizer) else plain_prompt)(problem, tokenizer, cfg)
+
+
+def render(problem: str, tokenizer: Any, cfg: PromptConfig = PromptConfig()) -> str:
+    """The model input for ``problem`` under ``cfg.template``."""
+    return TEMPLATES.get(cfg.template)(problem, tokenizer, cfg)

@@ -1,0 +1,218 @@
+"""The math-verify worker: symbolic answer equivalence in a process that can be killed.
+
+Why a process: sympy can hang (``10^{10^{10^{10}}}`` makes it build a number with ten billion
+digits, inside C code that no Python signal interrupts), and math-verify's own timeout is
+``signal.alarm``, which only works in the main thread of the main interpreter. The RL trainer
+and the evaluation runner call the grader from threads and worker processes, so math-verify's
+timeouts are passed as disabled here and the bound is enforced from outside, by SIGKILL.
+
+Layout (three processes)::
+
+    caller (eval.verifier.Verifier) --pipe--> supervisor (this file, run as a script)
+                                                   |  fork()
+                                                   v
+                                              evaluator child: parse + verify
+
+The supervisor imports math-verify once (about a second) and never runs sympy itself, so it
+never hangs. It forwards each request to its forked child and waits at most the request's
+timeout; on expiry it SIGKILLs the child and forks a fresh one, which is ready in milliseconds
+because the imports are already in memory (fork from a single-threaded process is safe). The
+caller only has to bound its wait on the supervisor, which always answers.
+
+Each evaluator child also runs under an address-space limit, so a blow-up ends in MemoryError
+(scored as not equal) rather than in the machine swapping.
+
+Protocol: frames of a 4-byte big-endian length plus UTF-8 JSON. Requests ``{"g": gold, "p":
+prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None}``.
+The supervisor first sends ``{"ready": true}``. This file imports only the standard library
+and math-verify, and is started by path, so it works wherever the caller runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import struct
+import sys
+import time
+from functools import lru_cache
+
+_HEADER = struct.Struct(">I")
+
+
+# ---------------------------------------------------------------- equivalence (runs in the child)
+
+
+def _configs():
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    # boxed_match_priority=0: a \boxed{} wrapper is the answer itself, tried before anything else.
+    return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+def _parse(answer: str) -> list:
+    """math-verify parse of one bare answer. The answer is wrapped as ``$\\boxed{...}$`` so
+    LaTeX like ``\\left( 3, \\frac{\\pi}{2} \\right)`` or ``\\text{Evelyn}`` is read as one
+    expression; when that yields nothing the raw text is tried (``1/2``, ``x = 5``)."""
+    from math_verify import parse
+
+    cfg = _configs()
+    found = parse(f"$\\boxed{{{answer}}}$", cfg, parsing_timeout=None)
+    return found or parse(answer, cfg, parsing_timeout=None)
+
+
+@lru_cache(maxsize=8192)
+def _parse_gold(gold: str) -> list:
+    # Golds repeat (n samples per problem, many epochs of the same prompts): parse each once.
+    return _parse(gold)
+
+
+def equivalent(gold: str, pred: str) -> bool:
+    """True when math-verify finds ``pred`` equal to ``gold`` (both bare answers, not completions).
+    No timeout: call it only where something else can kill the process."""
+    from math_verify import verify
+
+    g = _parse_gold(gold)
+    p = _parse(pred)
+    if not g or not p:
+        return False
+    return bool(verify(g, p, timeout_seconds=None))
+
+
+# ---------------------------------------------------------------- framing
+
+
+def write_frame(fd: int, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    buf = memoryview(_HEADER.pack(len(data)) + data)
+    while buf:
+        n = os.write(fd, buf)
+        buf = buf[n:]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    chunks: list[bytes] = []
+    while n > 0:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            return None  # EOF: the other side is gone
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int, deadline: float | None = None) -> dict | None:
+    """Next frame from ``fd``; None at EOF; TimeoutError once ``time.monotonic()`` passes ``deadline``."""
+    head = _read_exact(fd, _HEADER.size, deadline)
+    if head is None:
+        return None
+    body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+    return None if body is None else json.loads(body)
+
+
+# ---------------------------------------------------------------- supervisor and child
+
+
+class _Child:
+    """A forked evaluator with a request pipe and a reply pipe."""
+
+    def __init__(self, memory_limit_mb: int, close_in_child: tuple[int, ...]) -> None:
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # evaluator child
+            try:
+                for fd in (*close_in_child, self.req_w, self.resp_r):
+                    os.close(fd)
+                _limit_memory(memory_limit_mb)
+                _evaluate_forever(req_r, resp_w)
+            finally:
+                os._exit(0)
+        self.pid = pid
+        os.close(req_r)
+        os.close(resp_w)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+        os.close(self.req_w)
+        os.close(self.resp_r)
+
+
+def _limit_memory(memory_limit_mb: int) -> None:
+    if memory_limit_mb <= 0:
+        return
+    try:
+        import resource
+
+        limit = memory_limit_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, ValueError, OSError):
+        pass  # best effort: the timeout still bounds the call
+
+
+def _evaluate_forever(req_r: int, resp_w: int) -> None:
+    while True:
+        req = read_frame(req_r)
+        if req is None:
+            return
+        try:
+            reply = {"ok": equivalent(req["g"], req["p"]), "timeout": False, "err": None}
+        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, sympy internals
+            reply = {"ok": False, "timeout": False, "err": type(e).__name__}
+        write_frame(resp_w, reply)
+
+
+def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
+    """The supervisor loop: answer every request within its timeout, whatever the child does."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" is by design
+    equivalent("1", "1")  # import latex2sympy, antlr and sympy before forking: children start warm
+    child = _Child(memory_limit_mb, (in_fd, out_fd))
+    write_frame(out_fd, {"ready": True, "pid": os.getpid()})
+    try:
+        while True:
+            req = read_frame(in_fd)
+            if req is None:
+                return  # the caller closed the pipe or died
+            timeout_s = float(req.get("t", 5.0))
+            try:
+                write_frame(child.req_w, req)
+                reply = read_frame(child.resp_r, time.monotonic() + timeout_s)
+                if reply is None:
+                    raise ChildProcessError
+            except TimeoutError:
+                reply = {"ok": False, "timeout": True, "err": None}
+                child.kill()
+                child = _Child(memory_limit_mb, (in_fd, out_fd))
+            except (ChildProcessError, BrokenPipeError):
+                reply = {"ok": False, "timeout": False, "err": "evaluator died"}
+                child.kill()
+                child = _Child(memory_limit_mb, (in_fd, out_fd))
+            write_frame(out_fd, reply)
+    finally:
+        child.kill()
+
+
+def main(argv: list[str]) -> None:
+    memory_limit_mb = int(argv[0]) if argv else 2048
+    # Frames go to a private copy of stdout; fd 1 then points at stderr, so anything a library
+    # prints cannot corrupt the protocol.
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the caller's terminal is the caller's
+    serve(0, out_fd, memory_limit_mb)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,311 @@
+"""Compare the variants (sync, recompute, loglinear) end to end, tracked in MLflow.
+
+    python -m flows.compare_variants                      # tiny preset, all three variants
+    python -m flows.compare_variants --preset micro       # seconds: plumbing only, nothing learns
+    python -m flows.compare_variants --variants loglinear,recompute --seeds 0,1 --steps 60
+
+The pipeline, one line per task:
+
+    prepare dataset (cached) -> warm start (cached) -> for each variant x seed:
+    train (atomic checkpoints every N steps; resumes when re-run) -> evaluate the final
+    checkpoint (in-domain held-out; GSM8K / MATH500 / AIME24 when their files exist)
+    -> summary (table, speedups, plots) on the MLflow parent run
+
+A variant killed mid-training resumes from its last checkpoint when the flow is run again with
+the same output dir. Variants run one after another (the machine this targets has 2 cores).
+
+Embedded default: Prefect's temporary local server (state under ./.prefect) and an MLflow
+SQLite store ./mlflow.db (override with MLFLOW_TRACKING_URI or --tracking-uri); team mode:
+set PREFECT_API_URL and MLFLOW_TRACKING_URI to the servers started by infra/. Prints the
+comparison table, how to open the MLflow UI, and, as its last line, one JSON object of key
+figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import flows  # noqa: F401  (offline defaults before Prefect is imported)
+from prefect import flow, get_run_logger
+
+from a3po.config import TrainConfig, Variant, config_to_dict, merge_yaml, preset as load_preset, with_overrides
+from tasks.data import prepare_dataset, with_prepared_data
+from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
+from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
+from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
+from tasks.tracking import TrackingRef, close_parent_run, log_evaluation, log_to_parent, open_parent_run
+from tasks.training import run_dir_for, train_variant, warm_start
+
+DEFAULT_VARIANTS = [v.value for v in Variant]  # sync, recompute, loglinear
+
+
+def default_data_dir() -> str:
+    """Benchmark files: ``$A3PO_SHARED_DATA`` or ``../shared/data``; absent is fine (skipped)."""
+    return os.environ.get("A3PO_SHARED_DATA") or str(Path.cwd().parent / "shared" / "data")
+
+
+def build_config(
+    preset: str,
+    config: str | None = None,
+    model: str | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
+    steps: int | None = None,
+    max_staleness: int | None = None,
+    checkpoint_every: int | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> TrainConfig:
+    """The base config of a comparison: preset, then YAML, then explicit values (invalid
+    combinations raise here, before anything runs)."""
+    cfg = load_preset(preset)
+    if config:
+        cfg = merge_yaml(cfg, config)
+    sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (overrides or {}).items()}
+    if model:
+        sections.setdefault("model", {})["name"] = model
+    if dataset:
+        d = Path(dataset)
+        sections.setdefault("data", {}).update({"train_path": str(d / "train.jsonl"), "heldout_path": str(d / "heldout.jsonl")})
+    if task:
+        sections.setdefault("data", {})["task"] = task
+    rl = sections.setdefault("rl", {})
+    for key, val in (("steps", steps), ("max_staleness", max_staleness), ("checkpoint_every", checkpoint_every)):
+        if val is not None:
+            rl[key] = val
+    return with_overrides(cfg, **sections)
+
+
+def variant_config(base: TrainConfig, variant: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
+    return with_overrides(base, rl={**(variant_overrides or {}).get(variant, {}), "variant": variant, "seed": seed})
+
+
+def run_comparison(
+    base: TrainConfig,
+    tracking: TrackingRef,
+    output_dir: Path,
+    cache_dir: Path,
+    variants: list[str],
+    seeds: list[int],
+    variant_overrides: dict[str, dict[str, Any]] | None,
+    benchmarks: list[str],
+    data_dir: str | None,
+    bench_limit: int | None,
+    bench_max_new_tokens: int,
+    torch_threads: int | None,
+    system_metrics_interval_s: float,
+) -> list[dict[str, Any]]:
+    """The comparison body shared by the flows: one record per variant x seed."""
+    data = prepare_dataset(base, str(cache_dir))
+    base = with_prepared_data(base, data)
+    ws = warm_start(base, str(cache_dir), torch_threads)
+    get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
+    records = []
+    for variant in variants:
+        for seed in seeds:
+            cfg = variant_config(base, variant, seed, variant_overrides)
+            run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, torch_threads, system_metrics_interval_s)
+            ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))
+            log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
+            records.append({**run.as_dict(), "evaluation": ev})
+    return records
+
+
+def parent_params(cfg: TrainConfig, **flow_values: Any) -> dict[str, Any]:
+    d = config_to_dict(cfg)
+    d["rl"].pop("variant"), d["rl"].pop("seed")  # per child run
+    return {**d, "flow": {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flow_values.items()}}
+
+
+@flow(name="compare-variants", log_prints=True)
+def compare_variants(
+    preset: str = "tiny",
+    variants: list[str] = DEFAULT_VARIANTS,
+    seeds: list[int] = [0],
+    steps: int | None = None,
+    max_staleness: int | None = None,
+    checkpoint_every: int | None = None,
+    model: str | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
+    config: str | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    variant_overrides: dict[str, dict[str, Any]] | None = None,
+    benchmarks: list[str] = list(BENCHMARKS),
+    bench_limit: int | None = 50,
+    bench_max_new_tokens: int = 64,
+    data_dir: str | None = None,
+    tracking_uri: str | None = None,
+    experiment: str = "a3po-compare",
+    output_dir: str | None = None,
+    cache_dir: str | None = None,
+    target_fraction: float = TARGET_FRACTION,
+    smooth_frac: float = SMOOTH_FRAC,
+    torch_threads: int | None = 1,
+    system_metrics_interval_s: float = 10.0,
+) -> dict[str, Any]:
+    """Train and evaluate ``variants`` x ``seeds`` from one warm start; compare them.
+
+    preset: built-in config (tiny: learns in minutes on CPU; micro: seconds, plumbing only).
+    variants: any of sync, recompute, loglinear. seeds: RL seeds (paired across variants).
+    steps / max_staleness / checkpoint_every: override ``rl.*``. model: built-in arch or HF path.
+    dataset: folder with train.jsonl and heldout.jsonl ({id, prompt, gold[, solution]}).
+    task: grading task of the dataset (arith, gsm8k, math500, aime24). config: YAML TrainConfig.
+    overrides: ``{section: {field: value}}`` for every variant; variant_overrides:
+    ``{variant: {rl_field: value}}`` (e.g. ``{"loglinear": {"proximal": "metrics"}}`` logs
+    loglinear's approximation error). benchmarks / bench_limit / bench_max_new_tokens / data_dir:
+    benchmark evaluation (skipped, and recorded, when data_dir lacks the files).
+    tracking_uri: MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db).
+    output_dir: run dirs (default runs/compare-<preset>); re-running resumes. cache_dir: dataset
+    and warm-start cache (default <output_dir>/cache). target_fraction / smooth_frac: see
+    tasks.summary. torch_threads: intra-op threads per process (None: torch's default).
+    """
+    t0 = time.perf_counter()
+    base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides)
+    for v in variants:
+        Variant(v)  # raises on an unknown name
+    out = Path(output_dir or f"runs/compare-{preset}").resolve()
+    cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
+    uri = tracking_uri or default_tracking_uri()
+    data_dir = data_dir if data_dir is not None else default_data_dir()
+    flow_values = dict(preset=preset, variants=variants, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
+                       data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
+    ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
+                          {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds))},
+                          parent_params(base, **flow_values))
+    try:
+        records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
+                                 bench_limit, bench_max_new_tokens, torch_threads, system_metrics_interval_s)
+        summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
+        log_to_parent(ref, summary["metrics"], summary["artifacts"])
+    except BaseException:
+        close_parent_run(ref, "FAILED")
+        raise
+    close_parent_run(ref, "FINISHED")
+    return result_of(ref, out, base, records, summary, time.perf_counter() - t0)
+
+
+def result_of(ref: TrackingRef, out: Path, base: TrainConfig, records: list[dict], summary: dict, wall_s: float) -> dict[str, Any]:
+    return {
+        "parent_run_id": ref.parent_run_id,
+        "experiment_id": ref.experiment_id,
+        "tracking_uri": ref.tracking_uri,
+        "output_dir": str(out),
+        "steps": base.rl.steps,
+        "runs": records,
+        "summary": summary,
+        "wall_s": wall_s,
+    }
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The flat JSON line printed last."""
+    rows = result["summary"]["rows"]
+    figs: dict[str, Any] = {
+        "variants": [r["variant"] for r in rows],
+        "seeds": rows[0]["seeds"] if rows else 0,
+        "steps": result["steps"],
+        "target_reward": result["summary"]["target"],
+    }
+    for r in rows:
+        for k in ("final_acc", "final_reward", "mean_step_time_s", "time_to_target_s"):
+            figs[f"{r['variant']}/{k}"] = None if r[k] is None else round(r[k], 4)
+    figs.update({k: round(v, 4) for k, v in result["summary"]["metrics"].items() if k.startswith("speedup/")})
+    figs.update({"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"], "wall_s": round(result["wall_s"], 1)})
+    return figs
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def parse_sets(items: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``--set rl.lr=1e-3`` (all variants) / ``--set loglinear:rl.proximal=metrics`` (one
+    variant; rl fields only). Values are parsed as YAML scalars."""
+    overrides: dict[str, dict[str, Any]] = {}
+    per_variant: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--set expects [variant:]section.field=value, got {item!r}")
+        variant, _, dotted = key.rpartition(":")
+        section, _, field = dotted.partition(".")
+        value = yaml.safe_load(raw)
+        if variant:
+            if section != "rl":
+                raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
+            per_variant.setdefault(Variant(variant).value, {})[field] = value
+        else:
+            overrides.setdefault(section, {})[field] = value
+    return overrides, per_variant
+
+
+def _csv(s: str, cast=str) -> list:
+    return [cast(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flows.compare_variants", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny", help="tiny (learns in minutes on CPU) or micro (seconds; nothing learns)")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of sync,recompute,loglinear")
+    ap.add_argument("--seeds", default="0", help="comma-separated RL seeds, e.g. 0,1,2")
+    ap.add_argument("--steps", type=int, help="RL steps per run (rl.steps)")
+    ap.add_argument("--max-staleness", type=int, help="rl.max_staleness (async variants)")
+    ap.add_argument("--checkpoint-every", type=int, help="rl.checkpoint_every: atomic checkpoint period in steps")
+    ap.add_argument("--model", help="built-in arch (micro, tiny, small) or a local HF model dir / hub name")
+    ap.add_argument("--dataset", help="folder with train.jsonl and heldout.jsonl; default: the embedded task")
+    ap.add_argument("--task", help="grading task of --dataset (arith, gsm8k, math500, aime24)")
+    ap.add_argument("--config", help="YAML TrainConfig laid over the preset")
+    ap.add_argument("--set", action="append", default=[], metavar="[VARIANT:]SECTION.FIELD=VALUE", help="config override (repeatable)")
+    ap.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated; '' for none")
+    ap.add_argument("--bench-limit", type=int, default=50, help="first N problems of each benchmark (0: all)")
+    ap.add_argument("--bench-max-new-tokens", type=int, default=64)
+    ap.add_argument("--data-dir", default=None, help="benchmark files (<dir>/<name>/test.jsonl); default $A3PO_SHARED_DATA or ../shared/data")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
+    ap.add_argument("--experiment", default="a3po-compare")
+    ap.add_argument("--output-dir", default=None, help="default runs/compare-<preset>; re-running with the same dir resumes")
+    ap.add_argument("--cache-dir", default=None, help="dataset / warm-start cache; default <output-dir>/cache")
+    ap.add_argument("--target-fraction", type=float, default=TARGET_FRACTION)
+    ap.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    ap.add_argument("--system-metrics-interval", type=float, default=10.0, help="seconds between MLflow system-metric samples")
+    return ap
+
+
+def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    overrides, per_variant = parse_sets(args.set)
+    return dict(
+        preset=args.preset, variants=_csv(args.variants), seeds=_csv(args.seeds, int), steps=args.steps,
+        max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every, model=args.model, dataset=args.dataset,
+        task=args.task, config=args.config, overrides=overrides or None, variant_overrides=per_variant or None,
+        benchmarks=_csv(args.benchmarks), bench_limit=args.bench_limit or None, bench_max_new_tokens=args.bench_max_new_tokens,
+        data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(), experiment=args.experiment,
+        output_dir=args.output_dir, cache_dir=args.cache_dir, target_fraction=args.target_fraction,
+        torch_threads=args.torch_threads or None, system_metrics_interval_s=args.system_metrics_interval,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    kwargs = kwargs_from_args(args)
+    with prefect_api() as api:
+        result = compare_variants(**kwargs)
+    print("\n" + result["summary"]["table_md"])
+    for note in result["summary"]["notes"]:
+        print(f"note: {note}")
+    print(f"\nartifacts: {result['output_dir']}/summary   run dirs: {result['output_dir']}")
+    print(f"MLflow parent run {result['parent_run_id']} in {result['tracking_uri']}")
+    print(f"open it with: {ui_hint(result['tracking_uri'])}")
+    figs = key_figures(result)
+    figs["prefect_server_startup_s"] = round(api["startup_s"], 1)
+    print(json.dumps(figs), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

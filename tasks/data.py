@@ -1,0 +1,135 @@
+"""``prepare_dataset``: the train / held-out rows every variant of a comparison trains and is
+evaluated on, validated once and materialised as JSONL.
+
+Why materialise: the embedded task is generated in code and a JSONL source may hold bad rows;
+writing the validated rows once gives the pipeline one artifact, named by a hash of its inputs
+(data config, tokenizer, source file contents), that warm start, training and evaluation all
+read by path. The rows are exactly what :func:`a3po.data.load_rows` yields, in the same order,
+so training on the materialised files equals training on the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+
+from a3po.config import TrainConfig, with_overrides
+from a3po.data import load_rows
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    key: str  # hash of the inputs; names the folder
+    train_path: str
+    heldout_path: str
+    n_train: int
+    n_heldout: int
+    skipped: int  # rows dropped under data.on_bad_row='skip'
+    source: str
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dataset_key(cfg: TrainConfig) -> str:
+    """Hash of what determines the rows: the data config, the tokenizer (prompt-length checks)
+    and the contents of any source files."""
+    parts = {"data": dataclasses.asdict(cfg.data), "tokenizer": cfg.model.name}
+    for name in ("train_path", "heldout_path"):
+        path = getattr(cfg.data, name)
+        if path:
+            parts[f"{name}_sha256"] = file_sha256(path)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_for(cfg: TrainConfig):
+    """The policy's tokenizer without building the model (built-in archs use the in-code one)."""
+    from a3po.models import TINY_ARCHS
+
+    if cfg.model.name in TINY_ARCHS:
+        from a3po.arithmetic import WORDS
+        from a3po.tokenizer import build_tokenizer
+
+        return build_tokenizer(WORDS)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.name)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def materialise(cfg: TrainConfig, cache_root: str | Path) -> PreparedData:
+    """Write ``<cache_root>/data-<key>/{train,heldout}.jsonl`` and ``report.json`` (once; the
+    folder appears atomically by rename)."""
+    key = dataset_key(cfg)
+    out = Path(cache_root) / f"data-{key}"
+    report = out / "report.json"
+    if not report.exists():
+        train, held, reports = load_rows(cfg.data, tokenizer_for(cfg))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "heldout.jsonl", held)
+        info = {
+            "key": key,
+            "n_train": len(train),
+            "n_heldout": len(held),
+            "skipped": sum(len(r.skipped) for r in reports),
+            "skipped_rows": [s for r in reports for s in r.skipped][:100],
+            "source": " + ".join(r.source for r in reports),
+        }
+        (tmp / "report.json").write_text(json.dumps(info, indent=1))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # prepared concurrently: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    info = json.loads(report.read_text())
+    return PreparedData(
+        key=key,
+        train_path=str((out / "train.jsonl").resolve()),
+        heldout_path=str((out / "heldout.jsonl").resolve()),
+        n_train=info["n_train"],
+        n_heldout=info["n_heldout"],
+        skipped=info["skipped"],
+        source=info["source"],
+    )
+
+
+def with_prepared_data(cfg: TrainConfig, data: PreparedData) -> TrainConfig:
+    """``cfg`` reading the materialised files."""
+    return with_overrides(cfg, data={"train_path": data.train_path, "heldout_path": data.heldout_path})
+
+
+def _data_cache_key(context, inputs) -> str | None:
+    """Cache hit only when the artifact is on disk: key = input hash + folder + report hash."""
+    cfg, root = inputs["cfg"], inputs["cache_root"]
+    report = Path(root) / f"data-{dataset_key(cfg)}" / "report.json"
+    if not report.exists():
+        return None  # (re)build; the library-level check makes a rebuild of an existing folder free
+    return f"data-{dataset_key(cfg)}-{hashlib.sha256(str(report.resolve()).encode()).hexdigest()[:12]}-{file_sha256(report)[:12]}"
+
+
+@task(cache_key_fn=_data_cache_key, persist_result=True)
+def prepare_dataset(cfg: TrainConfig, cache_root: str) -> PreparedData:
+    """Validated train / held-out rows as JSONL, keyed by the data inputs."""
+    return materialise(cfg, cache_root)
+
+
+__all__ = ["PreparedData", "dataset_key", "materialise", "prepare_dataset", "with_prepared_data"]

@@ -1,0 +1,115 @@
+"""``evaluate_checkpoint``: a trained policy on the in-domain held-out set and, when their files
+are there, GSM8K / MATH500 / AIME24.
+
+The held-out accuracy is :func:`a3po.evaluate.heldout_accuracy` (the trainer's own measure, on
+the prepared held-out file); the benchmarks go through ``eval.runner.run_eval`` (the same
+rollout engine and grader). Benchmark files are looked up in ``data_dir``
+(``<data_dir>/<name>/test.jsonl``); the pipeline never needs them: a missing folder or file
+skips that benchmark and the reason is recorded (returned, and tagged on the MLflow run).
+
+Cached by a hash of the model files plus the evaluation settings: re-running a flow whose
+variants are already trained does not re-evaluate them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from a3po.config import TrainConfig
+from tasks.data import file_sha256
+
+BENCHMARKS = ("gsm8k", "math500", "aime24")
+
+
+def model_hash(model_dir: str | Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(Path(model_dir).iterdir()):
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(file_sha256(p).encode())
+    return h.hexdigest()[:16]
+
+
+def available_benchmarks(benchmarks: list[str], data_dir: str | None) -> tuple[list[str], dict[str, str]]:
+    """``(benchmarks with a local file, {skipped name: reason})``."""
+    from eval.data import resolve_local
+
+    if not benchmarks:
+        return [], {}
+    if not data_dir or not Path(data_dir).is_dir():
+        return [], {b: f"benchmark data folder {data_dir!r} not found" for b in benchmarks}
+    ok, skipped = [], {}
+    for b in benchmarks:
+        try:
+            resolve_local(b, data_dir)
+            ok.append(b)
+        except (FileNotFoundError, KeyError) as e:
+            skipped[b] = str(e)
+    return ok, skipped
+
+
+def _eval_cache_key(context, inputs) -> str | None:
+    model_dir = Path(inputs["model_dir"])
+    if not model_dir.is_dir():
+        return None
+    ok, skipped = available_benchmarks(list(inputs["benchmarks"]), inputs["data_dir"])
+    files = {b: file_sha256(_bench_file(b, inputs["data_dir"])) for b in ok}
+    cfg: TrainConfig = inputs["cfg"]
+    blob = json.dumps({
+        "model": model_hash(model_dir), "heldout": file_sha256(cfg.data.heldout_path) if cfg.data.heldout_path else None,
+        "task": cfg.data.task, "max_new_tokens": cfg.rl.max_new_tokens, "files": files, "skipped": sorted(skipped),
+        "limit": inputs["limit"], "bench_max_new_tokens": inputs["bench_max_new_tokens"], "out": str(Path(inputs["out_dir"]).resolve()),
+    }, sort_keys=True)
+    return "eval-" + hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _bench_file(name: str, data_dir: str) -> Path:
+    from eval.data import resolve_local
+
+    return Path(resolve_local(name, data_dir))
+
+
+def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: str | None, limit: int | None, bench_max_new_tokens: int, out_dir: str) -> dict[str, Any]:
+    """Plain function behind the task (also used by the overhead bench)."""
+    from a3po.data import load_rows
+    from a3po.evaluate import heldout_accuracy
+    from a3po.models import load_pretrained
+
+    model, tokenizer = load_pretrained(model_dir)
+    _, heldout, _ = load_rows(cfg.data, tokenizer)
+    acc = heldout_accuracy(model, tokenizer, heldout, cfg.data.task, cfg.rl.max_new_tokens)
+    metrics = {"eval/final/heldout_acc": acc}
+    ok, skipped = available_benchmarks(benchmarks, data_dir)
+    results_path = None
+    if ok:
+        from eval.runner import EvalConfig, run_eval
+
+        res = run_eval((model, tokenizer), ok, EvalConfig(max_new_tokens=bench_max_new_tokens, limit=limit), data_dir=data_dir, out_dir=out_dir, model_name=model_dir)
+        for bench, m in res["benchmarks"].items():
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    metrics[f"eval/final/{bench}/{k.replace('@', '_at_')}"] = float(v)
+        results_path = res.get("paths", {}).get("results")
+    return {"metrics": metrics, "skipped": skipped, "benchmarks": ok, "results_path": results_path, "model_dir": model_dir}
+
+
+@task(cache_key_fn=_eval_cache_key, persist_result=True)
+def evaluate_checkpoint(
+    model_dir: str,
+    cfg: TrainConfig,
+    benchmarks: list[str],
+    data_dir: str | None,
+    limit: int | None,
+    bench_max_new_tokens: int,
+    out_dir: str,
+) -> dict[str, Any]:
+    """``{"metrics": {"eval/final/...": x}, "skipped": {name: reason}, ...}`` for one checkpoint."""
+    result = evaluate(model_dir, cfg, benchmarks, data_dir, limit, bench_max_new_tokens, out_dir)
+    for name, reason in result["skipped"].items():
+        get_run_logger().warning(f"benchmark {name} skipped: {reason}")
+    return result

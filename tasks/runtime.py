@@ -1,0 +1,96 @@
+"""Where the pipeline runs: offline defaults, the temporary Prefect server, the MLflow store.
+
+The embedded default needs no service: Prefect's temporary local server (a subprocess on a
+loopback port, SQLite under a project-local ``.prefect``) and an MLflow SQLite file
+(``./mlflow.db``). Team mode is the same code with ``PREFECT_API_URL`` and
+``MLFLOW_TRACKING_URI`` pointing at real servers (see ``infra/``).
+
+Prefect reads its settings when it is first imported, so :func:`apply_local_defaults` runs
+from ``flows/__init__.py`` before anything imports Prefect. It only fills in variables that
+are unset, so tests, CI and team mode keep control. This module must not import Prefect at
+module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+# Telemetry off and quiet model loading; none of these change results.
+OFFLINE_DEFAULTS = {
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # The first start of a fresh temporary server migrates its database: slow on 2 busy cores.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_local_defaults(root: str | Path | None = None) -> None:
+    """Fill unset environment variables: telemetry off and, unless a Prefect API is configured,
+    a project-local ``PREFECT_HOME`` (``<root>/.prefect``, root = cwd) so nothing lands in ~/.prefect."""
+    for key, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
+        os.environ["PREFECT_HOME"] = str(Path(root or Path.cwd()).resolve() / ".prefect")
+
+
+def default_tracking_uri(root: str | Path | None = None) -> str:
+    """``$MLFLOW_TRACKING_URI``, else a SQLite store ``<root>/mlflow.db`` (absolute path, so a
+    stray ``./mlruns`` can never take over)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(Path(root or Path.cwd()).resolve() / 'mlflow.db')}"
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The file behind a ``sqlite:///`` URI, None for other stores."""
+    prefix = "sqlite:///"
+    return Path(tracking_uri[len(prefix):]) if tracking_uri.startswith(prefix) else None
+
+
+def ui_hint(tracking_uri: str) -> str:
+    """How a person opens the tracked runs."""
+    if sqlite_path(tracking_uri) is not None:
+        return f"mlflow ui --backend-store-uri {tracking_uri}   (then open http://127.0.0.1:5000)"
+    return f"open {tracking_uri} in a browser"
+
+
+def set_torch_threads(n: int | None) -> None:
+    """Intra-op threads for the tiny models. On a shared 2-core machine one thread per process
+    is much faster (producer and trainer threads already use both cores)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
+    """Yield ``{"api_url", "temporary", "startup_s"}``. With ``PREFECT_API_URL`` set, that
+    server; otherwise start Prefect's temporary local server here (instead of lazily inside
+    the first flow call) so its start-up is timed and it is stopped before the caller prints
+    its final JSON line."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        yield {"api_url": configured, "temporary": False, "startup_s": 0.0}
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    t0 = time.perf_counter()
+    server = SubprocessASGIServer()
+    server.start(timeout=startup_timeout_s or int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
+    info = {"api_url": server.api_url, "temporary": True, "startup_s": time.perf_counter() - t0}
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield info
+    finally:
+        server.stop()

@@ -1,0 +1,244 @@
+"""The comparison: per-variant table, speedups, plots.
+
+Definitions (also in docs/pipeline.md):
+
+- **smoothed reward**: trailing mean of ``reward/mean`` over ``W = max(1, ceil(smooth_frac x
+  steps))`` steps (``smooth_frac`` = 0.25). **Final reward** = the smoothed reward at the last
+  step, i.e. the mean training reward over the last W steps.
+- **target reward**: ``r0 + target_fraction x (r_best - r0)`` where ``r0`` is the mean reward of
+  the first step (all variants start from the same warm start) and ``r_best`` the best
+  variant's final reward (mean over seeds); ``target_fraction`` = 0.8. So the target is "80%
+  of the improvement the best variant achieved". Undefined (no speedup reported) when no
+  variant improved on ``r0``.
+- **time to target**: ``time/train_wall_s`` (trainer wall clock: rollout wait + update, without
+  evaluation) at the first step whose smoothed reward reaches the target; a variant's figure is
+  the mean over its seeds, reported only when every seed got there.
+- **speedup of A vs B**: ``T_B / T_A`` for time to target, and ``mean step time_B / mean step
+  time_A`` for ``perf/step_time_s`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
+  final held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+SMOOTH_FRAC = 0.25
+TARGET_FRACTION = 0.8
+BASELINES = ("sync", "recompute")
+
+
+def window(steps: int, smooth_frac: float = SMOOTH_FRAC) -> int:
+    return max(1, math.ceil(smooth_frac * steps))
+
+
+def smooth(values: Sequence[float], w: int) -> list[float]:
+    """Trailing mean over ``w`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= w:
+            acc -= values[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def final_reward(history: Sequence[dict[str, float]], smooth_frac: float = SMOOTH_FRAC) -> float:
+    rewards = [h["reward/mean"] for h in history]
+    return smooth(rewards, window(len(rewards), smooth_frac))[-1] if rewards else float("nan")
+
+
+def time_to_target(history: Sequence[dict[str, float]], target: float, smooth_frac: float = SMOOTH_FRAC) -> float | None:
+    rewards = [h["reward/mean"] for h in history]
+    for h, r in zip(history, smooth(rewards, window(len(rewards), smooth_frac))):
+        if r >= target:
+            return h["time/train_wall_s"]
+    return None
+
+
+def read_history(path: str | Path) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    xs = list(xs)
+    if not xs or any(x is None for x in xs):
+        return None
+    return sum(xs) / len(xs)
+
+
+@dataclass
+class Comparison:
+    rows: list[dict[str, Any]]  # one per variant (means over seeds)
+    metrics: dict[str, float]  # parent-run summary metrics (valid MLflow keys)
+    target: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> Comparison:
+    """``records``: per variant x seed ``{"variant", "seed", "history": [...], "final_acc",
+    "warmstart_acc", "evaluation": {"metrics": {...}}}``. Variants keep their first-seen order."""
+    variants = list(dict.fromkeys(r["variant"] for r in records))
+    by_v = {v: [r for r in records if r["variant"] == v] for v in variants}
+    first = [r["history"][0]["reward/mean"] for r in records if r["history"]]
+    r0 = sum(first) / len(first) if first else 0.0
+    finals = {v: _mean([final_reward(r["history"], smooth_frac) for r in rs]) for v, rs in by_v.items()}
+    r_best = max((f for f in finals.values() if f is not None), default=r0)
+    notes = []
+    target = r0 + target_fraction * (r_best - r0) if r_best > r0 else None
+    if target is None:
+        notes.append(f"no variant improved on the first-step reward {r0:.3f}: time to target and its speedups are undefined")
+
+    rows, metrics = [], {}
+    for v, rs in by_v.items():
+        hist = [r["history"] for r in rs]
+        ttt = _mean([time_to_target(h, target, smooth_frac) for h in hist]) if target is not None else None
+        step_t = _mean([sum(x["perf/step_time_s"] for x in h) / len(h) for h in hist if h])
+        wall = _mean([h[-1]["time/train_wall_s"] for h in hist if h])
+        row = {
+            "variant": v,
+            "seeds": len(rs),
+            "warmstart_acc": _mean([r["warmstart_acc"] for r in rs]),
+            "final_acc": _mean([r["final_acc"] for r in rs]),
+            "final_reward": finals[v],
+            "time_to_target_s": ttt,
+            "mean_step_time_s": step_t,
+            "train_wall_s": wall,
+            "iw_max": max((x.get("policy/iw_max", 0.0) for h in hist for x in h), default=0.0),
+            "clip_frac_mean": _mean([sum(x.get("policy/clip_frac", 0.0) for x in h) / len(h) for h in hist if h]),
+            "staleness_mean": _mean([sum(x.get("staleness/mean", 0.0) for x in h) / len(h) for h in hist if h]),
+        }
+        for r in rs:  # benchmark pass@1 etc., mean over seeds
+            for k, val in r.get("evaluation", {}).get("metrics", {}).items():
+                if k.startswith("eval/final/") and k.count("/") == 3:
+                    row.setdefault(k, []).append(val)
+        for k in [k for k in row if k.startswith("eval/final/")]:
+            row[k] = _mean(row[k])
+        rows.append(row)
+        for key in ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s"):
+            if row[key] is not None:
+                metrics[f"summary/{v}/{key}"] = row[key]
+
+    index = {row["variant"]: row for row in rows}
+    for row in rows:
+        for base in BASELINES:
+            if base == row["variant"] or base not in index:
+                continue
+            b, tag = index[base], f"{row['variant']}_vs_{base}"
+            if row["time_to_target_s"] and b["time_to_target_s"]:
+                row[f"speedup_ttt_vs_{base}"] = b["time_to_target_s"] / row["time_to_target_s"]
+                metrics[f"speedup/{tag}/time_to_target"] = row[f"speedup_ttt_vs_{base}"]
+            if row["mean_step_time_s"] and b["mean_step_time_s"]:
+                row[f"speedup_step_vs_{base}"] = b["mean_step_time_s"] / row["mean_step_time_s"]
+                metrics[f"speedup/{tag}/step_time"] = row[f"speedup_step_vs_{base}"]
+            metrics[f"delta/{tag}/final_reward"] = row["final_reward"] - b["final_reward"]
+            metrics[f"delta/{tag}/final_acc"] = row["final_acc"] - b["final_acc"]
+    if target is not None:
+        metrics["summary/target_reward"] = target
+    metrics["summary/first_step_reward"] = r0
+    return Comparison(rows=rows, metrics=metrics, target=target, notes=notes)
+
+
+COLUMNS = [
+    ("variant", "variant"), ("seeds", "seeds"), ("warmstart_acc", "warm-start acc"), ("final_acc", "final held-out acc"),
+    ("final_reward", "final reward"), ("time_to_target_s", "time to target (s)"), ("mean_step_time_s", "mean step (s)"),
+    ("train_wall_s", "train wall (s)"), ("speedup_ttt_vs_sync", "speedup vs sync (target)"),
+    ("speedup_ttt_vs_recompute", "speedup vs recompute (target)"), ("speedup_step_vs_sync", "step speedup vs sync"),
+    ("speedup_step_vs_recompute", "step speedup vs recompute"), ("iw_max", "IW max"), ("clip_frac_mean", "clip frac"),
+]
+
+
+def table(comp: Comparison):
+    """The comparison as a DataFrame (benchmark columns appended when present)."""
+    import pandas as pd
+
+    cols = list(COLUMNS) + sorted({(k, k.removeprefix("eval/final/")) for r in comp.rows for k in r if k.startswith("eval/final/")})
+    return pd.DataFrame([{label: row.get(key) for key, label in cols} for row in comp.rows])
+
+
+def to_markdown(df) -> str:
+    """A Markdown table without the optional ``tabulate`` dependency."""
+
+    def fmt(v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smooth_frac: float = SMOOTH_FRAC) -> list[Path]:
+    """reward_curves.png: smoothed reward against step and against trainer wall clock, every
+    variant on one figure (seeds as thin lines); stability.png: importance-weight max and
+    clipped-token fraction against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(r["variant"] for r in records))}
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig2, (b1, b2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    seen = set()
+    for r in records:
+        h = r["history"]
+        if not h:
+            continue
+        v = r["variant"]
+        steps = list(range(1, len(h) + 1))
+        sm = smooth([x["reward/mean"] for x in h], window(len(h), smooth_frac))
+        label = v if v not in seen else None
+        seen.add(v)
+        a1.plot(steps, sm, color=colors[v], label=label)
+        a2.plot([x["time/train_wall_s"] for x in h], sm, color=colors[v], label=label)
+        b1.plot(steps, [x.get("policy/iw_max", float("nan")) for x in h], color=colors[v], label=label)
+        b2.plot(steps, [x.get("policy/clip_frac", float("nan")) for x in h], color=colors[v], label=label)
+    for ax in (a1, a2):
+        if comp.target is not None:
+            ax.axhline(comp.target, color="grey", ls="--", lw=0.8, label="target")
+        ax.set_ylabel(f"reward (trailing mean, {smooth_frac:.0%} of steps)")
+        ax.legend()
+    a1.set_xlabel("step")
+    a2.set_xlabel("trainer wall clock (s)")
+    fig.suptitle("Training reward by variant")
+    b1.set(xlabel="step", ylabel="importance weight max", yscale="log")
+    b2.set(xlabel="step", ylabel="clipped-token fraction")
+    b1.legend()
+    fig2.suptitle("Trust-region statistics")
+    paths = [out_dir / "reward_curves.png", out_dir / "stability.png"]
+    for f, p in zip((fig, fig2), paths):
+        f.tight_layout()
+        f.savefig(p, dpi=110)
+        plt.close(f)
+    return paths
+
+
+@task(cache_policy=NO_CACHE)
+def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> dict[str, Any]:
+    """Write comparison.md / .csv, the plots and summary.json to ``out_dir``; return the figures.
+    ``records`` carry ``history_path`` (read here) rather than the histories themselves."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    full = [{**r, "history": read_history(r["history_path"])} for r in records]
+    comp = compare(full, target_fraction, smooth_frac)
+    df = table(comp)
+    md = to_markdown(df)
+    target = f"{comp.target:.3f}" if comp.target is not None else "undefined"
+    (out / "comparison.md").write_text(
+        md + f"\n\nTarget reward {target} (first-step reward + {target_fraction:.0%} of the best improvement); "
+        f"final reward = mean over the last {smooth_frac:.0%} of steps.\n" + "".join(f"\nNote: {n}" for n in comp.notes)
+    )
+    df.to_csv(out / "comparison.csv", index=False)
+    plots = plot(full, comp, out, smooth_frac)
+    summary = {"rows": comp.rows, "metrics": comp.metrics, "target": comp.target, "notes": comp.notes, "table_md": md}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return {**summary, "artifacts": [str(out / "comparison.md"), str(out / "comparison.csv"), *map(str, plots), str(out / "summary.json")]}

@@ -1,0 +1,191 @@
+"""``warm_start`` and ``train_variant``: thin tasks over :mod:`a3po.pipeline`.
+
+``train_variant`` is safe to retry, and a killed flow is safe to re-run: the library resumes
+from ``<run_dir>/checkpoints`` (atomic, every ``rl.checkpoint_every`` steps) and, with the
+default 'deterministic' schedule, continues exactly as an uninterrupted run would. The run
+directory is named by variant, seed and a hash of the config, so a re-run with the same
+config resumes and a changed config starts afresh instead of resuming someone else's run.
+
+MLflow: one child run per variant x seed under the flow's parent run. A Prefect retry reuses
+the child run of its flow run (steps already logged are not logged again); a new flow run
+gets a new child run, marks the killed one KILLED and back-fills the steps restored from the
+checkpoint, so its record is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from a3po.checkpoint import atomic_write_text
+from a3po.config import TrainConfig, config_to_dict
+from a3po.metrics import NullLogger
+from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
+from tasks.runtime import set_torch_threads
+from tasks.summary import final_reward
+from tasks.tracking import (
+    MlflowMetricLogger,
+    TrackingRef,
+    client_for,
+    create_run,
+    find_runs,
+    kill_stale_runs,
+    last_logged_step,
+    log_metrics_now,
+    prefect_ids,
+)
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    dir: str  # an HF model directory
+    heldout_acc: float
+    key: str  # a3po.pipeline.warmstart_key of the config
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Hash of everything that determines a run (the output dir aside)."""
+    d = config_to_dict(cfg)
+    d.pop("output_dir", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def run_dir_for(output_dir: str | Path, cfg: TrainConfig) -> Path:
+    return Path(output_dir).resolve() / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}-{config_hash(cfg)}"
+
+
+def _warmstart_cache_key(context, inputs) -> str | None:
+    """Hit only when the warm-start directory is on disk (key: config hash, folder, metadata hash)."""
+    cfg, root = inputs["cfg"], inputs["cache_root"]
+    meta = Path(root).resolve() / f"warmstart-{warmstart_key(cfg)}" / "a3po_warmstart.json"
+    if not meta.exists():
+        return None
+    return "warmstart-" + hashlib.sha256(f"{meta}:{meta.read_bytes()!r}".encode()).hexdigest()[:24]
+
+
+@task(cache_key_fn=_warmstart_cache_key, persist_result=True)
+def warm_start(cfg: TrainConfig, cache_root: str, torch_threads: int | None = None) -> WarmStart:
+    """Supervised warm start, once per (model, data, warm_start) config."""
+    set_torch_threads(torch_threads)
+    out, acc = prepare_warmstart(cfg, cache_root, log=get_run_logger().info)
+    return WarmStart(dir=str(Path(out).resolve()), heldout_acc=acc, key=warmstart_key(cfg))
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    variant: str
+    seed: int
+    run_dir: str
+    final_dir: str  # HF model directory of the final weights
+    history_path: str  # JSONL, one line per step: {"step", **metrics}
+    mlflow_run_id: str | None
+    warmstart_acc: float
+    final_acc: float
+    steps: int
+    wall_s: float
+    resumed_from: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_acc: float) -> tuple[str, int]:
+    """``(run_id, last step already logged)``: this flow run's child for ``run_dir`` when a
+    retry finds one, else a new child (RUNNING leftovers of killed flow runs marked KILLED)."""
+    client = client_for(ref.tracking_uri)
+    mine = {"a3po.run_dir": str(run_dir), "mlflow.parentRunId": ref.parent_run_id}
+    existing = find_runs(client, ref.experiment_id, mine)
+    if existing:
+        run_id = existing[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id, last_logged_step(client, run_id)
+    kill_stale_runs(client, ref.experiment_id, {"a3po.run_dir": str(run_dir)}, note=ref.parent_run_id)
+    tags = {
+        "a3po.role": "child",
+        "a3po.variant": cfg.rl.variant.value,
+        "a3po.seed": str(cfg.rl.seed),
+        "a3po.run_dir": str(run_dir),
+        "a3po.config_hash": config_hash(cfg),
+        **prefect_ids(),
+    }
+    run_id = create_run(client, ref.experiment_id, run_dir.name, tags, config_to_dict(cfg), parent_run_id=ref.parent_run_id)
+    log_metrics_now(client, run_id, {"eval/heldout_acc": warmstart_acc}, step=0)
+    return run_id, 0
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def train_variant(
+    cfg: TrainConfig,
+    run_dir: str,
+    warmstart: WarmStart,
+    tracking: TrackingRef | None = None,
+    torch_threads: int | None = None,
+    system_metrics_interval_s: float = 10.0,
+) -> RunRecord:
+    """RL-train one variant x seed from the warm start (resuming from its last checkpoint)."""
+    log = get_run_logger()
+    set_torch_threads(torch_threads)
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    name = f"{cfg.rl.variant.value} seed {cfg.rl.seed}"
+    every = max(1, cfg.rl.steps // 10)
+
+    def progress(step: int, m: dict[str, float]) -> None:
+        if step % every == 0 or step == cfg.rl.steps:
+            acc = f"  held-out acc {m['eval/heldout_acc']:.3f}" if "eval/heldout_acc" in m else ""
+            log.info(f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}")
+
+    run_id, monitor, logger = None, None, NullLogger()
+    if tracking is not None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
+        client = client_for(tracking.tracking_uri)
+        logger = MlflowMetricLogger(client, run_id, skip_through_step=done)
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, resume_logging=done > 0, tracking_uri=tracking.tracking_uri)
+        monitor.start()
+    try:
+        result = library_train_variant(cfg, rd, warmstart.dir, warmstart.heldout_acc, logger=logger, progress=progress)
+    except BaseException:
+        if run_id is not None:
+            logger.flush()
+            client.set_terminated(run_id, status="FAILED")
+        raise
+    finally:
+        if monitor is not None:
+            monitor.finish()
+    if result.resumed_from:
+        log.info(f"{name}: resumed from the checkpoint at step {result.resumed_from}")
+    history_path = rd / "history.jsonl"
+    atomic_write_text(history_path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(result.history)))
+    if run_id is not None:
+        backfilled = logger.ensure_history(result.history)
+        steps = len(result.history)
+        log_metrics_now(client, run_id, {
+            "final/heldout_acc": result.final_acc,
+            "final/reward": final_reward(result.history),
+            "final/train_wall_s": result.history[-1]["time/train_wall_s"] if result.history else 0.0,
+            "final/mean_step_time_s": sum(h["perf/step_time_s"] for h in result.history) / max(steps, 1),
+        }, step=steps)
+        client.set_tag(run_id, "a3po.resumed_from", str(result.resumed_from or 0))
+        client.set_tag(run_id, "a3po.backfilled_steps", str(backfilled))
+        client.set_terminated(run_id, status="FINISHED")
+    return RunRecord(
+        variant=result.variant,
+        seed=result.seed,
+        run_dir=str(rd),
+        final_dir=str(rd / "final"),
+        history_path=str(history_path),
+        mlflow_run_id=run_id,
+        warmstart_acc=result.warmstart_acc,
+        final_acc=result.final_acc,
+        steps=result.steps,
+        wall_s=result.wall_s,
+        resumed_from=result.resumed_from,
+    )

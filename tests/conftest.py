@@ -1,0 +1,72 @@
+"""Shared test setup: the repo root on sys.path, offline hub settings, and the optional real data.
+
+Tests never need the real benchmark copies: those that use them take the ``shared_data``
+fixture, which skips with the reason when the folder is absent. The folder is ``../shared/data``
+next to the repo root, or ``$A3PO_SHARED_DATA``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# No test may reach a dataset or model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def shared_data_dir() -> Path:
+    env = os.environ.get("A3PO_SHARED_DATA")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The real benchmark copies (gsm8k/, math500/, aime24/), or a skip saying where they were looked for."""
+    path = shared_data_dir()
+    if not path.is_dir():
+        pytest.skip(f"real benchmark files not found at {path} (set A3PO_SHARED_DATA to their folder)")
+    return path
+
+
+# --- a3po core tests (tests/test_core_*.py): a reward stand-in, used only where requested ---
+
+
+def _core_digit_reward(task: str, completions: list[str], golds: list[str], ids: list[str] | None = None) -> list[float]:
+    """Fraction of a completion's characters that are digits: deterministic, in [0, 1], and
+    varied on a random micro model (where the real grader scores every sample 0, so the loss
+    and its gradient would be identically 0 and a determinism test would prove nothing)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def core_stub_rewards():
+    """Replace the grader behind RL rewards and held-out accuracy (``eval.grading.score`` via
+    ``a3po.rewards.score_completions``, imported by name in trainer and evaluate) for a module."""
+    import a3po.evaluate
+    import a3po.rewards
+    import a3po.trainer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (a3po.rewards, a3po.trainer, a3po.evaluate):
+            mp.setattr(mod, "score_completions", _core_digit_reward)
+        yield _core_digit_reward
+
+
+@pytest.fixture(scope="module")
+def core_one_thread():
+    """One intra-op thread for the module: the tiny models gain nothing from more, and on a
+    shared 2-core machine two OpenMP threads contend (a micro train step: 40 ms vs ~2 s)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,79 @@
+"""Answer extraction: boxed > #### > "answer is" > last number, linear-time, exact plain numbers."""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eval.answers import answer_is, extract_answer, hash_answer, last_boxed, last_number, plain_number
+
+
+@pytest.mark.parametrize(
+    "text, answer, method",
+    [
+        ("23 + 45 = 68\n#### 68", "68", "hash"),  # the embedded task's format
+        ("so the answer is \\boxed{\\frac{14}{3}}.", "\\frac{14}{3}", "boxed"),
+        ("first \\boxed{1} then \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", "boxed"),
+        ("nested \\boxed{\\text{\\{1, 2\\}}}", "\\text{\\{1, 2\\}}", "boxed"),
+        ("closed \\boxed{3} then unclosed \\boxed{4", "3", "boxed"),  # unclosed last one is skipped
+        ("\\fbox{7}", "7", "boxed"),
+        ("\\boxed{5}\n#### 6", "5", "boxed"),  # boxed wins over ####
+        ("#### 1,234 dollars", "1,234", "hash"),
+        ("#### $18.", "18", "hash"),
+        ("#### 12/5", "12/5", "hash"),  # not the number 12
+        ("#### 1, -2", "1, -2", "hash"),  # a list, not the number 1
+        ("#### 3\nQuestion: next\n#### 9", "3", "hash"),  # the first #### (lm-eval strict-match takes the first)
+        ("The final answer is $\\frac{1}{2}$. I hope it is correct.", "\\frac{1}{2}", "answer_is"),
+        ("the answer is: 3.5. Done", "3.5", "answer_is"),
+        ("I think 3, then 4, finally 1,250 apples", "1,250", "last_number"),
+        ("no digits here", None, "none"),
+        ("", None, "none"),
+        ("unclosed \\boxed{ forever", None, "none"),
+    ],
+)
+def test_extract_answer(text: str, answer: str | None, method: str) -> None:
+    assert extract_answer(text) == (answer, method)
+
+
+def test_each_extractor_returns_none_when_absent() -> None:
+    assert last_boxed("x") is None and hash_answer("x") is None and answer_is("x") is None and last_number("x") is None
+    assert hash_answer("#### ") is None
+
+
+@pytest.mark.parametrize(
+    "s, value",
+    [("42", 42), ("-7", -7), ("1,234", 1234), ("3.50", Fraction(7, 2)), ("$5$", 5), ("\\$18", 18), ("$18", 18), ("7.", 7), (" .5 ", Fraction(1, 2))],
+)
+def test_plain_number(s: str, value) -> None:
+    assert plain_number(s) == value
+
+
+@pytest.mark.parametrize("s", ["\\frac{1}{2}", "1,-2", "12,34", "5\\%", "x=5", "3\\sqrt{13}", "", "1e5", "90^\\circ", "--3"])
+def test_not_a_plain_number(s: str) -> None:
+    assert plain_number(s) is None
+
+
+@given(st.integers(min_value=-10**12, max_value=10**12))
+def test_plain_integers_round_trip_with_and_without_commas(n: int) -> None:
+    assert plain_number(str(n)) == n
+    assert plain_number(f"{n:,}") == n
+
+
+def test_extraction_is_fast_on_hostile_text() -> None:
+    # 100,000 characters of each hostile shape: unclosed boxes, deep braces, digits everywhere.
+    hostile = [
+        "\\boxed{" * 14_000,
+        "\\boxed{" + "{" * 100_000,
+        "\\frac{1}{" * 11_000 + "2" + "}" * 11_000,
+        "1 " * 50_000,
+        "#### " * 20_000,
+        "answer is " * 10_000,
+    ]
+    for text in hostile:
+        t = time.perf_counter()
+        extract_answer(text)
+        assert time.perf_counter() - t < 1.0, text[:40]
