@@ -7,7 +7,10 @@ Each problem has a one-line worked solution and a final ``#### N`` line, like GS
     #### 68
 
 Train and held-out problems are disjoint by construction: a problem is held out when a hash
-of its (template, operands) falls in the held-out bucket, whatever the seed.
+of its text's ingredients (template, name, item, operands) falls in the held-out bucket,
+whatever the seed. No held-out question appears in training; the arithmetic facts behind them
+do (with single-digit operands there are only ~200 of them), so held-out accuracy measures
+whether the policy computes the answer reliably, which is what RL can improve.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ PROMPT_FORMAT = "Question: {question}\nAnswer: "
 class ArithmeticDifficulty:
     """Operand ranges. The defaults put a warm-started tiny model between 0.15 and 0.6."""
 
-    max_add: int = 99  # operands of + and - lie in [1, max_add]
-    max_mul: int = 12  # operands of * lie in [2, max_mul]
+    max_add: int = 9  # operands of + and - lie in [1, max_add]
+    max_mul: int = 5  # operands of * lie in [2, max_mul]
     heldout_fraction: float = 0.2
 
 
@@ -66,7 +69,7 @@ def make_problem(rng: random.Random, diff: ArithmeticDifficulty) -> dict:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     question = template.format(name=name, pronoun=PRONOUN[name], item=item, a=a, b=b)
     return {
-        "key": f"{t_idx}:{a}:{b}",
+        "key": f"{t_idx}:{name}:{item}:{a}:{b}",
         "prompt": PROMPT_FORMAT.format(question=question),
         "solution": f"{a} {op} {b} = {c}\n#### {c}",
         "gold": str(c),

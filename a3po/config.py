@@ -71,7 +71,7 @@ class DataConfig:
 class WarmStartConfig:
     """Supervised warm start so RL begins from partial competence."""
 
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
@@ -80,13 +80,14 @@ class WarmStartConfig:
 @dataclass(frozen=True)
 class RLConfig:
     variant: Variant = Variant.LOGLINEAR
-    steps: int = 150
+    steps: int = 200
     batch_prompts: int = 16
     """Prompts per training batch; each is sampled ``group_size`` times (GRPO groups)."""
     group_size: int = 8
     max_staleness: int = 2
     """Bound on how many versions the producer may run ahead (async variants; sync uses 0)."""
-    lr: float = 1e-3
+    lr: float = 1e-4
+    lr_warmup_steps: int = 20
     minibatches: int = 4
     """Optimizer steps per training batch; the trust region acts across them."""
     eps_clip: float = 0.2
@@ -96,13 +97,15 @@ class RLConfig:
     proximal: str | None = None
     """Override the variant's proximal method (e.g. 'metrics' to log loglinear's error)."""
     max_new_tokens: int = 24
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     schedule: str = "deterministic"
     """'deterministic': producer and trainer overlap in threads but meet at fixed points, so a
     run (and a resumed run) is reproducible bit for bit. 'threaded': free-running overlap."""
     grad_clip: float = 1.0
-    eval_every: int = 25
+    eval_samples: int = 4
+    """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
+    eval_every: int = 50
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     seed: int = 0
@@ -121,6 +124,16 @@ class RLConfig:
             raise ValueError("rl.eps_clip and rl.eps_clip_high must be > 0")
         if self.behav_weight_cap is not None and self.behav_weight_cap <= 1:
             raise ValueError("rl.behav_weight_cap must be > 1 (or null for no cap)")
+        if self.top_p != 1.0:
+            # The trainer cannot score a stale token sampled outside the current nucleus (log 0),
+            # and on-policy ratios would be the nucleus mass instead of 1.
+            raise ValueError("rl.top_p must be 1.0 for training (use rl.temperature); top-p is for evaluation")
+        if self.lr <= 0 or self.lr_warmup_steps < 0:
+            raise ValueError("rl.lr must be > 0 and rl.lr_warmup_steps >= 0")
+        if self.temperature <= 0:
+            raise ValueError("rl.temperature must be > 0 (RL samples; greedy has no behaviour distribution)")
+        if self.eval_samples < 1:
+            raise ValueError("rl.eval_samples must be >= 1")
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
         from a3po.advantages import ADVANTAGE_ESTIMATORS
@@ -146,6 +159,9 @@ class TrainConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     output_dir: str = "runs/default"
+    torch_threads: int = 1
+    """Intra-op threads of each Python thread. The rollout producer and the trainer are two
+    threads; one intra-op thread each maps them onto two cores without oversubscription."""
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:

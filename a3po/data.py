@@ -87,8 +87,9 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
 
 def load_rows(cfg: DataConfig, tokenizer) -> tuple[list[dict], list[dict], list[DatasetReport]]:
     """Train and held-out rows for ``cfg``, validated against ``tokenizer``."""
-    raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed)
-    raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed)
+    diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul)
+    raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed, diff)
+    raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff)
     train, r1 = validate_rows(raw_train, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.train_path or "arith:train")
     held, r2 = validate_rows(raw_held, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.heldout_path or "arith:heldout")
     return train, held, [r1, r2]

@@ -37,7 +37,7 @@ class TinyArch:
 # bench model where a forward pass costs enough to measure what loglinear saves.
 TINY_ARCHS: dict[str, TinyArch] = {
     "micro": TinyArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
-    "tiny": TinyArch(hidden_size=96, num_layers=2, num_heads=4, intermediate_size=256),
+    "tiny": TinyArch(hidden_size=96, num_layers=2, num_heads=4, intermediate_size=192),
     "small": TinyArch(hidden_size=320, num_layers=6, num_heads=8, intermediate_size=960),
 }
 

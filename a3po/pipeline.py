@@ -21,7 +21,7 @@ import torch
 from a3po.arithmetic import WORDS
 from a3po.config import TrainConfig
 from a3po.data import load_rows
-from a3po.evaluate import heldout_accuracy
+from a3po.evaluate import evaluate_heldout
 from a3po.metrics import MetricLogger
 from a3po.models import TINY_ARCHS, build_tiny_model, load_pretrained
 from a3po.trainer import TrainResult, rl_train
@@ -36,7 +36,12 @@ def build_model(cfg: TrainConfig):
 
 
 def warmstart_key(cfg: TrainConfig) -> str:
-    blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start)}, sort_keys=True)
+    # The held-out measure depends on the RL sampling settings, so they are part of the key.
+    measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
+    blob = json.dumps(
+        {"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -60,6 +65,7 @@ def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
 
 def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[str], None] = print) -> tuple[Path, float]:
     """Warm-start once per (model, data, warm_start) config; returns (model dir, held-out acc)."""
+    torch.set_num_threads(cfg.torch_threads)
     out = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
     meta = out / "a3po_warmstart.json"
     if meta.exists():
@@ -69,9 +75,10 @@ def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[s
     torch.manual_seed(cfg.warm_start.seed)
     log(f"warm start: {cfg.warm_start.steps} supervised steps on {len(train_rows)} problems")
     ws = warm_start(model, tokenizer, train_rows, cfg.warm_start)
-    acc = heldout_accuracy(model, tokenizer, heldout_rows, cfg.data.task, cfg.rl.max_new_tokens)
+    held = evaluate_heldout(model, tokenizer, heldout_rows, cfg)
+    acc = held["eval/heldout_acc"]
     save_pretrained_atomic(model, tokenizer, out)
-    (out / "a3po_warmstart.json").write_text(json.dumps({"heldout_acc": acc, **ws}))
+    (out / "a3po_warmstart.json").write_text(json.dumps({"heldout_acc": acc, **held, **ws}))
     return out, acc
 
 
@@ -86,6 +93,7 @@ def train_variant(
     """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
     and exports the final weights to ``run_dir/final`` (an HF model directory)."""
     run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir)
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
     result = rl_train(

@@ -98,10 +98,19 @@ class _Recompute:
 
 def _loglinear_on_mask(inp: ProxInputs) -> torch.Tensor:
     """Loglinear over the generated tokens; 0 elsewhere, so a non-finite log-prob of a prompt or
-    pad token (e.g. outside a top-p nucleus) is ignored there, as the loss ignores it."""
+    pad token (e.g. outside a top-p nucleus) is ignored there, as the loss ignores it.
+
+    ``log pi_theta`` in the formula is the policy at the start of the step (the version ``d``
+    counts from). The trainer only has the *current* minibatch's log-probs, which drift after the
+    step's first optimizer update. For on-policy tokens (``d = 0``) the step-start policy is the
+    behaviour policy itself, so we use ``behav`` there: exact, and it keeps the trust region
+    across minibatches (loglinear with every ``d = 0`` is then PPO-clip, as AReaL's is). For
+    ``d >= 1`` the drift is part of the approximation.
+    """
     m = inp.mask.bool()
     behav = torch.where(m, inp.behav_logp, torch.zeros_like(inp.behav_logp))
     theta = torch.where(m, inp.theta_logp.detach(), torch.zeros_like(behav))
+    theta = torch.where(inp.staleness <= 0, behav, theta)
     return loglinear_prox_logp(behav, theta, inp.staleness.clamp(min=0))
 
 

@@ -17,7 +17,7 @@ from a3po.advantages import ADVANTAGE_ESTIMATORS
 from a3po.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
-from a3po.evaluate import heldout_accuracy
+from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger
@@ -114,6 +114,13 @@ def train_step(
     return metrics
 
 
+def learning_rate(rl: RLConfig, step: int) -> float:
+    """Linear warm-up over ``rl.lr_warmup_steps`` steps, then constant. Adam's first updates
+    are sign-like (unit size per parameter whatever the gradient's noise); ramping the rate
+    keeps them from knocking a warm-started policy off what it has learned."""
+    return rl.lr * min(1.0, (step + 1) / max(1, rl.lr_warmup_steps))
+
+
 @dataclass
 class TrainResult:
     variant: str
@@ -174,9 +181,10 @@ def rl_train(
     if store.latest < start:
         store.publish(start, clone_state(policy))
     if warmstart_acc is None:
-        warmstart_acc = heldout_accuracy(policy, tokenizer, heldout_rows, cfg.data.task, rl.max_new_tokens)
+        ws_eval = evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
+        warmstart_acc = ws_eval["eval/heldout_acc"]
         eval_curve = [(0, warmstart_acc)]
-        logger.log_metrics({"eval/heldout_acc": warmstart_acc}, 0)
+        logger.log_metrics(ws_eval, 0)
 
     # The producer samples from its own copy of the policy (the "inference engine").
     engine_model = type(policy)(policy.config)
@@ -207,14 +215,16 @@ def rl_train(
             wait = time.perf_counter() - t0
             if scored.index != step:
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
+            for group in optimizer.param_groups:  # a function of the step, so resume needs no state
+                group["lr"] = learning_rate(rl, step)
             metrics = train_step(policy, optimizer, scored, step, rl, method)
             store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                acc = heldout_accuracy(policy, tokenizer, heldout_rows, cfg.data.task, rl.max_new_tokens)
-                eval_curve.append((step + 1, acc))
-                metrics["eval/heldout_acc"] = acc
+                held = evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
+                eval_curve.append((step + 1, held["eval/heldout_acc"]))
+                metrics.update(held)
             history.append(metrics)
             logger.log_metrics(metrics, step + 1)
             if progress is not None:

@@ -114,7 +114,7 @@ def run_comparison(
             run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, torch_threads, system_metrics_interval_s)
             ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))
             log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
-            records.append({**run.as_dict(), "evaluation": ev})
+            records.append({**run.as_dict(), "evaluation": ev, "warmstart": {"dir": ws.dir, "heldout_acc": ws.heldout_acc, "seconds": ws.seconds}})
     return records
 
 
@@ -236,7 +236,7 @@ def parse_sets(items: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, d
             raise SystemExit(f"--set expects [variant:]section.field=value, got {item!r}")
         variant, _, dotted = key.rpartition(":")
         section, _, field = dotted.partition(".")
-        value = yaml.safe_load(raw)
+        value = _scalar(raw)
         if variant:
             if section != "rl":
                 raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
@@ -244,6 +244,17 @@ def parse_sets(items: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, d
         else:
             overrides.setdefault(section, {})[field] = value
     return overrides, per_variant
+
+
+def _scalar(raw: str) -> Any:
+    """YAML scalar, except that ``1e-3`` is a float (YAML 1.1 would keep it a string)."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _csv(s: str, cast=str) -> list:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 
 from a3po.config import TrainConfig
 from tasks.data import file_sha256
+from tasks.runtime import run_logger
 
 BENCHMARKS = ("gsm8k", "math500", "aime24")
 
@@ -80,6 +82,7 @@ def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: 
     from a3po.evaluate import heldout_accuracy
     from a3po.models import load_pretrained
 
+    t0 = time.perf_counter()
     model, tokenizer = load_pretrained(model_dir)
     _, heldout, _ = load_rows(cfg.data, tokenizer)
     acc = heldout_accuracy(model, tokenizer, heldout, cfg.data.task, cfg.rl.max_new_tokens)
@@ -95,7 +98,8 @@ def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: 
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     metrics[f"eval/final/{bench}/{k.replace('@', '_at_')}"] = float(v)
         results_path = res.get("paths", {}).get("results")
-    return {"metrics": metrics, "skipped": skipped, "benchmarks": ok, "results_path": results_path, "model_dir": model_dir}
+    return {"metrics": metrics, "skipped": skipped, "benchmarks": ok, "results_path": results_path, "model_dir": model_dir,
+            "seconds": time.perf_counter() - t0}
 
 
 @task(cache_key_fn=_eval_cache_key, persist_result=True)
@@ -111,5 +115,5 @@ def evaluate_checkpoint(
     """``{"metrics": {"eval/final/...": x}, "skipped": {name: reason}, ...}`` for one checkpoint."""
     result = evaluate(model_dir, cfg, benchmarks, data_dir, limit, bench_max_new_tokens, out_dir)
     for name, reason in result["skipped"].items():
-        get_run_logger().warning(f"benchmark {name} skipped: {reason}")
+        run_logger().warning(f"benchmark {name} skipped: {reason}")
     return result

@@ -62,6 +62,20 @@ def ui_hint(tracking_uri: str) -> str:
     return f"open {tracking_uri} in a browser"
 
 
+def run_logger():
+    """Prefect's run logger inside a flow or task run; a plain logger when a task is called
+    through ``.fn()`` (tests), where Prefect has no run context."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        import logging
+
+        return logging.getLogger("a3po.tasks")
+
+
 def set_torch_threads(n: int | None) -> None:
     """Intra-op threads for the tiny models. On a shared 2-core machine one thread per process
     is much faster (producer and trainer threads already use both cores)."""
@@ -92,5 +106,16 @@ def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             yield info
+            _drain_to_api()
     finally:
         server.stop()
+
+
+def _drain_to_api() -> None:
+    """Send Prefect's queued logs and events while the server is still up (otherwise their
+    workers retry a stopped server at exit, for a minute, and print errors after our output)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)

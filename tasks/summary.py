@@ -159,7 +159,8 @@ def table(comp: Comparison):
     """The comparison as a DataFrame (benchmark columns appended when present)."""
     import pandas as pd
 
-    cols = list(COLUMNS) + sorted({(k, k.removeprefix("eval/final/")) for r in comp.rows for k in r if k.startswith("eval/final/")})
+    bench = sorted({k for r in comp.rows for k in r if k.startswith("eval/final/") and k.endswith("/pass_at_1")})
+    cols = list(COLUMNS) + [(k, k.removeprefix("eval/final/").replace("/pass_at_1", " pass@1")) for k in bench]
     return pd.DataFrame([{label: row.get(key) for key, label in cols} for row in comp.rows])
 
 

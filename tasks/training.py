@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
 from a3po.metrics import NullLogger
 from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
-from tasks.runtime import set_torch_threads
+from tasks.runtime import run_logger, set_torch_threads
 from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
@@ -47,6 +48,7 @@ class WarmStart:
     dir: str  # an HF model directory
     heldout_acc: float
     key: str  # a3po.pipeline.warmstart_key of the config
+    seconds: float = 0.0  # time in the library call (0 when it found the cache)
 
 
 def config_hash(cfg: TrainConfig) -> str:
@@ -73,8 +75,9 @@ def _warmstart_cache_key(context, inputs) -> str | None:
 def warm_start(cfg: TrainConfig, cache_root: str, torch_threads: int | None = None) -> WarmStart:
     """Supervised warm start, once per (model, data, warm_start) config."""
     set_torch_threads(torch_threads)
-    out, acc = prepare_warmstart(cfg, cache_root, log=get_run_logger().info)
-    return WarmStart(dir=str(Path(out).resolve()), heldout_acc=acc, key=warmstart_key(cfg))
+    t0 = time.perf_counter()
+    out, acc = prepare_warmstart(cfg, cache_root, log=run_logger().info)
+    return WarmStart(dir=str(Path(out).resolve()), heldout_acc=acc, key=warmstart_key(cfg), seconds=time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class RunRecord:
     steps: int
     wall_s: float
     resumed_from: int | None
+    library_s: float = 0.0  # time inside a3po.pipeline.train_variant (includes tracking_s)
+    tracking_s: float = 0.0  # of which: MLflow log_batch calls made by the metric logger
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +134,7 @@ def train_variant(
     system_metrics_interval_s: float = 10.0,
 ) -> RunRecord:
     """RL-train one variant x seed from the warm start (resuming from its last checkpoint)."""
-    log = get_run_logger()
+    log = run_logger()
     set_torch_threads(torch_threads)
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
@@ -150,6 +155,7 @@ def train_variant(
         logger = MlflowMetricLogger(client, run_id, skip_through_step=done)
         monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, resume_logging=done > 0, tracking_uri=tracking.tracking_uri)
         monitor.start()
+    t0 = time.perf_counter()
     try:
         result = library_train_variant(cfg, rd, warmstart.dir, warmstart.heldout_acc, logger=logger, progress=progress)
     except BaseException:
@@ -158,8 +164,10 @@ def train_variant(
             client.set_terminated(run_id, status="FAILED")
         raise
     finally:
+        library_s = time.perf_counter() - t0
         if monitor is not None:
             monitor.finish()
+    tracking_s = getattr(logger, "seconds", 0.0)
     if result.resumed_from:
         log.info(f"{name}: resumed from the checkpoint at step {result.resumed_from}")
     history_path = rd / "history.jsonl"
@@ -188,4 +196,6 @@ def train_variant(
         steps=result.steps,
         wall_s=result.wall_s,
         resumed_from=result.resumed_from,
+        library_s=library_s,
+        tracking_s=tracking_s,
     )

@@ -141,9 +141,10 @@ def test_registered_loglinear_never_calls_recompute_and_matches_the_formula_on_t
     d = torch.tensor([[-1, -1, 0, 2, 4]])  # two prompt tokens, then d = 0, 2, 4
     mask = torch.tensor([[False, False, True, True, True]])
     prox, metrics = method(_inputs(behav, theta, d, mask))
-    # On the mask: d=0 -> -1; d=2 -> (-2 - 1)/2 = -1.5; d=4 -> -1.25. Outside it the value is
-    # unused by the loss (the method returns 0 there).
-    assert prox[mask].tolist() == [-1.0, -1.5, -1.25]
+    # On the mask: d=0 -> behav = -2 (the step-start policy of an on-policy token is its
+    # behaviour policy; see _loglinear_on_mask); d=2 -> (-2 - 1)/2 = -1.5; d=4 -> -1.25.
+    # Outside it the value is unused by the loss (the method returns 0 there).
+    assert prox[mask].tolist() == [-2.0, -1.5, -1.25]
     assert metrics == {}
 
 

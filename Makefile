@@ -1,0 +1,47 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   # compare sync / recompute / loglinear on the embedded tiny preset (MLflow + Prefect, local)
+#   make test   # the test suite (fast tier; slow and GPU tiers: make test-slow, make test-gpu)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch must be installed first: a bare torch requirement pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-slow test-gpu bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python -m flows.compare_variants
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
+
+bench: setup
+	$(BIN)/python -m bench.prox_logp
+	$(BIN)/python -m bench.grading
+	$(BIN)/python -m bench.orchestration_overhead
+
+clean:
+	rm -rf runs mlflow.db .prefect

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# CI check of team mode, for real, on loopback only:
+#
+#   1. PostgreSQL (apt-get install postgresql when missing), a fresh cluster and database;
+#   2. psycopg2-binary (the 'team' extra) when missing;
+#   3. an MLflow server on that database (artifacts proxied by the server), a Prefect server;
+#   4. the comparison flow (micro preset, 1 variant, 4 steps) against both servers;
+#   5. checks: the runs are in MLflow (mlflow.search_runs over HTTP), rows are in PostgreSQL,
+#      the artifacts download, the parent run names a flow run the Prefect server knows;
+#   6. the nightly deployment (cron 0 2 * * *) registered on the Prefect server, one run of it
+#      executed by a process worker (--run-once), its verdict tagged in MLflow
+#      (skip with A3PO_CI_SKIP_WORKER=1);
+#   7. everything stopped and removed (keep with A3PO_CI_KEEP=1).
+#
+#   infra/ci_team_mode.sh          # from the repo root, with the project's venv active; ~2-4 min
+#
+# Exits non-zero on any failure; the last line of output is one JSON object of key figures.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+cd "$root"
+source "$here/lib_team.sh"
+t_start=$(date +%s)
+
+WORK=$(mktemp -d /tmp/a3po-team-ci.XXXXXX)
+chmod 755 "$WORK"
+PG_PORT=$(a3po_free_port); ML_PORT=$(a3po_free_port); PF_PORT=$(a3po_free_port)
+PG_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(12))')
+pgids=()
+
+cleanup() {
+  local rc=$?
+  for pg in "${pgids[@]}"; do kill -TERM -- "-$pg" 2>/dev/null || true; done
+  sleep 2
+  for pg in "${pgids[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+  a3po_pg_stop "$WORK/pgdata"
+  if [ "$rc" != 0 ]; then
+    a3po_log "FAILED (exit $rc); logs:"
+    for f in "$WORK"/*.log "$WORK/pgdata/server.log"; do if [ -f "$f" ]; then { echo "--- $f"; tail -25 "$f"; } >&2; fi; done
+  fi
+  if [ "${A3PO_CI_KEEP:-0}" = 1 ]; then a3po_log "kept $WORK"; else rm -rf "$WORK"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# Start a command in its own session (so cleanup stops it and its children by group id).
+start_bg() {
+  local log=$1; shift
+  setsid "$@" >"$log" 2>&1 &
+  pgids+=("$!")
+}
+
+a3po_pg_ensure_installed
+a3po_ensure_psycopg2
+a3po_pg_start "$WORK/pgdata" "$PG_PORT" a3po "$PG_PASSWORD" mlflow
+PG_URI="postgresql+psycopg2://a3po:$PG_PASSWORD@127.0.0.1:$PG_PORT/mlflow"
+
+a3po_log "MLflow server on 127.0.0.1:$ML_PORT"
+start_bg "$WORK/mlflow.log" mlflow server --backend-store-uri "$PG_URI" --artifacts-destination "$WORK/artifacts" \
+  --host 127.0.0.1 --port "$ML_PORT" --workers 1
+a3po_log "Prefect server on 127.0.0.1:$PF_PORT"
+start_bg "$WORK/prefect.log" env PREFECT_HOME="$WORK/prefect-server" A3PO_PREFECT_PORT="$PF_PORT" "$here/start_prefect_server.sh"
+a3po_wait_http "http://127.0.0.1:$ML_PORT/health" 180
+a3po_wait_http "http://127.0.0.1:$PF_PORT/api/health" 180
+
+export MLFLOW_TRACKING_URI="http://127.0.0.1:$ML_PORT"
+export PREFECT_API_URL="http://127.0.0.1:$PF_PORT/api"
+export PREFECT_HOME="$WORK/prefect-client" DO_NOT_TRACK=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+a3po_log "comparison flow (micro, loglinear, 4 steps) against both servers"
+t_flow=$(date +%s)
+python -m flows.compare_variants --preset micro --variants loglinear --seeds 0 --steps 4 --benchmarks "" \
+  --experiment ci-team-mode --output-dir "$WORK/runs" >"$WORK/flow.log" 2>&1
+flow_s=$(( $(date +%s) - t_flow ))
+tail -1 "$WORK/flow.log" >"$WORK/flow.json"
+
+a3po_log "checking MLflow (over HTTP), PostgreSQL and Prefect"
+python - "$WORK" <<'EOF'
+import json, sys, pathlib
+import mlflow
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+
+work = pathlib.Path(sys.argv[1])
+figures = json.loads((work / "flow.json").read_text())
+runs = mlflow.search_runs(experiment_names=["ci-team-mode"])
+parent = runs[runs["tags.a3po.role"] == "parent"]
+child = runs[runs["tags.a3po.role"] == "child"]
+assert len(parent) == 1 and len(child) == 1, runs[["run_id", "tags.a3po.role"]]
+assert set(runs["status"]) == {"FINISHED"}, runs["status"]
+assert child.iloc[0]["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"] == figures["parent_run_id"]
+client = MlflowClient()
+assert [m.step for m in client.get_metric_history(child.iloc[0]["run_id"], "reward/mean")] == [1, 2, 3, 4]
+local = client.download_artifacts(parent.iloc[0]["run_id"], "comparison.md", str(work))
+assert "| loglinear |" in pathlib.Path(local).read_text()
+with get_client(sync_client=True) as pc:
+    fr = pc.read_flow_run(parent.iloc[0]["tags.prefect.flow_run_id"])
+    assert fr.state.is_completed(), fr.state
+print(json.dumps({"mlflow_runs": len(runs), "prefect_flow_run": str(fr.id)}))
+EOF
+n_pg=$(PGPASSWORD="$PG_PASSWORD" "$(a3po_pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U a3po -d mlflow -qtA \
+  -c "select count(*) from runs r join experiments e on r.experiment_id = e.experiment_id where e.name = 'ci-team-mode'")
+[ "$n_pg" = 2 ] || { a3po_log "expected 2 runs in PostgreSQL, found $n_pg"; exit 1; }
+
+worker_s=0; nightly="skipped"
+if [ "${A3PO_CI_SKIP_WORKER:-0}" != 1 ]; then
+  a3po_log "nightly deployment + one run by a process worker"
+  t_w=$(date +%s)
+  python infra/deploy_nightly.py --pool a3po-ci --run-now --param preset=micro --param 'seeds=[0]' --param steps=4 \
+    --param 'references=["recompute"]' --param experiment='"ci-team-nightly"' --param "output_dir=\"$WORK/nightly\"" \
+    >"$WORK/deploy.log" 2>&1
+  dep=$(tail -1 "$WORK/deploy.log")
+  A3PO_WORK_POOL=a3po-ci timeout 600 "$here/start_worker.sh" --run-once >"$WORK/worker.log" 2>&1
+  python - "$dep" <<'EOF'
+import json, sys
+import mlflow
+from prefect.client.orchestration import get_client
+
+dep = json.loads(sys.argv[1])
+assert dep["cron"] == ["0 2 * * *"], dep
+with get_client(sync_client=True) as pc:
+    state = pc.read_flow_run(dep["flow_run_id"]).state
+    assert state.is_completed(), state
+runs = mlflow.search_runs(experiment_names=["ci-team-nightly"], filter_string="tags.`a3po.kind` = 'nightly'")
+assert len(runs) == 1 and runs.iloc[0]["tags.parity"] == "pass", runs
+EOF
+  worker_s=$(( $(date +%s) - t_w )); nightly="pass"
+fi
+
+total_s=$(( $(date +%s) - t_start ))
+a3po_log "team mode OK"
+echo "{\"team_mode\": \"ok\", \"postgres_runs\": $n_pg, \"flow_s\": $flow_s, \"nightly_via_worker\": \"$nightly\", \"worker_s\": $worker_s, \"total_s\": $total_s}"

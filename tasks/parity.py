@@ -1,0 +1,165 @@
+"""Convergence parity: is the candidate variant (loglinear) no worse than each reference
+(recompute, sync), beyond a tolerance, across seeds?
+
+The rule (a paired non-inferiority test):
+
+1. For every seed s the candidate and the reference share the warm start, the prompt stream and
+   the sampler seed, so their runs are paired. Per seed, ``d_s = m(candidate, s) - m(reference, s)``
+   where ``m`` is the run's metric (default ``final_reward``: mean training reward over the last
+   ``smooth_frac`` of steps; or ``final_acc``: final held-out accuracy).
+2. Paired bootstrap: resample the seeds with replacement ``n_boot`` times (fixed RNG seed, so
+   the decision is reproducible) and take the mean of ``d`` each time; the ``confidence``
+   percentile interval of those means is the CI of the mean difference.
+3. **Pass** iff the CI's lower bound is above ``-tolerance`` for every reference.
+
+With K seeds the bootstrap distribution has at most C(2K-1, K) atoms; for K = 3 the 95% lower
+bound lies at or near the smallest ``d_s``, so the rule is conservative (a pass needs every
+seed, more or less, within tolerance). A regression larger than the tolerance on most seeds
+fails; run-to-run noise smaller than the tolerance passes. ``tolerance`` is in the metric's
+units (reward and accuracy: absolute, 0..1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.summary import SMOOTH_FRAC, final_reward, read_history
+
+METRICS = ("final_reward", "final_acc")
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    candidate: str
+    reference: str
+    metric: str
+    seeds: list[int]
+    diffs: list[float]  # candidate - reference, per seed
+    mean_diff: float
+    ci_low: float
+    ci_high: float
+    tolerance: float
+    confidence: float
+    passed: bool
+
+
+def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """``(mean, low, high)``: percentile interval of the mean of ``diffs`` resampled with replacement."""
+    d = np.asarray(diffs, dtype=float)
+    if d.size == 0:
+        raise ValueError("no paired differences")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    alpha = (1.0 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return float(d.mean()), float(low), float(high)
+
+
+def run_metric(record: dict[str, Any], metric: str, smooth_frac: float = SMOOTH_FRAC) -> float:
+    if metric == "final_reward":
+        history = record.get("history") or read_history(record["history_path"])
+        return final_reward(history, smooth_frac)
+    if metric == "final_acc":
+        return float(record["final_acc"])
+    raise ValueError(f"unknown parity metric {metric!r}; valid: {METRICS}")
+
+
+def decide(
+    records: Sequence[dict[str, Any]],
+    candidate: str,
+    references: Sequence[str],
+    metric: str = "final_reward",
+    tolerance: float = 0.1,
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    smooth_frac: float = SMOOTH_FRAC,
+) -> list[ParityResult]:
+    """One :class:`ParityResult` per reference, over the seeds both variants ran."""
+    values: dict[str, dict[int, float]] = {}
+    for r in records:
+        values.setdefault(r["variant"], {})[int(r["seed"])] = run_metric(r, metric, smooth_frac)
+    if candidate not in values:
+        raise ValueError(f"candidate {candidate!r} has no runs")
+    out = []
+    for ref in references:
+        seeds = sorted(set(values[candidate]) & set(values.get(ref, {})))
+        if not seeds:
+            raise ValueError(f"no seeds shared by {candidate!r} and {ref!r}")
+        diffs = [values[candidate][s] - values[ref][s] for s in seeds]
+        mean, low, high = paired_bootstrap_ci(diffs, n_boot, confidence)
+        out.append(ParityResult(candidate, ref, metric, seeds, diffs, mean, low, high, tolerance, confidence, low > -tolerance))
+    return out
+
+
+def parity_metrics(results: Sequence[ParityResult]) -> dict[str, float]:
+    m: dict[str, float] = {}
+    for r in results:
+        tag = f"parity/{r.candidate}_vs_{r.reference}"
+        m.update({f"{tag}/mean_diff": r.mean_diff, f"{tag}/ci_low": r.ci_low, f"{tag}/ci_high": r.ci_high, f"{tag}/pass": float(r.passed)})
+    m["parity/pass"] = float(all(r.passed for r in results))
+    return m
+
+
+def report_markdown(results: Sequence[ParityResult], trend: Sequence[dict[str, Any]]) -> str:
+    lines = ["| candidate vs reference | metric | seeds | per-seed diff | mean | CI low | CI high | tolerance | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r.candidate} vs {r.reference} | {r.metric} | {len(r.seeds)} | {', '.join(f'{d:+.3f}' for d in r.diffs)} | "
+            f"{r.mean_diff:+.3f} | {r.ci_low:+.3f} | {r.ci_high:+.3f} | {r.tolerance:.3f} | {'pass' if r.passed else 'FAIL'} |"
+        )
+    if trend:
+        lines += ["", "Earlier nightly runs (newest first):", "", "| started | parity | " + " | ".join(f"CI low vs {r.reference}" for r in results) + " |",
+                  "|---|---|" + "---|" * len(results)]
+        for t in trend:
+            lows = [t["ci_low"].get(r.reference) for r in results]
+            lines.append(f"| {t['start']} | {t['parity']} | " + " | ".join("-" if v is None else f"{v:+.3f}" for v in lows) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def trend_verdict(results: Sequence[ParityResult], trend: Sequence[dict[str, Any]]) -> str:
+    """One line: how tonight's CI lower bounds compare with the median of earlier nights."""
+    if not trend:
+        return "no earlier nightly runs to compare with"
+    parts = []
+    for r in results:
+        past = [t["ci_low"][r.reference] for t in trend if t["ci_low"].get(r.reference) is not None]
+        if not past:
+            continue
+        med = float(np.median(past))
+        word = "better" if r.ci_low > med + 0.01 else "worse" if r.ci_low < med - 0.01 else "about the same"
+        parts.append(f"vs {r.reference}: CI low {r.ci_low:+.3f} against a median of {med:+.3f} over {len(past)} earlier night(s) ({word})")
+    fails = sum(t["parity"] == "fail" for t in trend)
+    return "; ".join(parts) + f"; {fails} of {len(trend)} earlier night(s) failed"
+
+
+@task(cache_policy=NO_CACHE)
+def decide_parity(records: list[dict[str, Any]], candidate: str, references: list[str], metric: str, tolerance: float, confidence: float, n_boot: int, smooth_frac: float) -> list[dict[str, Any]]:
+    """The parity decision per reference, as plain dicts."""
+    return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
+
+
+@task(cache_policy=NO_CACHE)
+def earlier_nights(tracking_uri: str, experiment_id: str, current_run_id: str, candidate: str, references: list[str], n: int = 14) -> list[dict[str, Any]]:
+    """Earlier nightly parent runs of the experiment that reached a verdict (tag ``parity``),
+    newest first, with their CI lower bounds."""
+    from tasks.tracking import client_for
+
+    client = client_for(tracking_uri)
+    runs = client.search_runs([experiment_id], "tags.`a3po.kind` = 'nightly' and tags.parity != ''", max_results=n + 1, order_by=["attributes.start_time DESC"])
+    out = []
+    for run in runs:
+        if run.info.run_id == current_run_id:
+            continue
+        m = run.data.metrics
+        out.append({
+            "run_id": run.info.run_id,
+            "start": np.datetime64(run.info.start_time, "ms").astype(str)[:19],
+            "parity": run.data.tags.get("parity"),
+            "ci_low": {ref: m.get(f"parity/{candidate}_vs_{ref}/ci_low") for ref in references},
+        })
+    return out[:n]

@@ -1,0 +1,127 @@
+"""The nightly parity flow decides: healthy variants pass, a planted regression fails.
+
+The regression is a test-only advantage estimator registered in a3po's registry,
+``planted_negated`` (GRPO advantages with the sign flipped: the update pushes probability away
+from correct answers), given to the candidate (loglinear) only through ``variant_overrides``.
+
+A parity decision needs learning, which the micro preset alone does not do. So the runs use the
+micro model on a small, learnable task written here: "+" word problems with operands 1..3
+whose worked solution is just the number. 60 warm-start steps reach ~0.3 held-out accuracy;
+24 RL steps of 32 prompts x 4 samples lift the training reward from ~0.35 to ~0.45 for every
+healthy variant, while the negated candidate falls to ~0.05. Measured on this machine: healthy
+per-seed differences within 0.05, planted ones -0.36 to -0.44; the tolerances (0.15 fast, 0.1 slow) sit between.
+
+Fast test (default): K = 2 seeds, one reference (recompute); the planted run shares the
+output dir, so the reference runs are resumed (already finished), not retrained.
+Slow test (``-m slow``): K = 3 seeds, both references, tolerance 0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
+
+import pytest
+
+from a3po.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages
+from a3po.arithmetic import ITEMS, NAMES, PRONOUN, PROMPT_FORMAT, TEMPLATES
+
+PLANTED = "planted_negated"
+if PLANTED not in ADVANTAGE_ESTIMATORS:
+
+    @ADVANTAGE_ESTIMATORS.register(PLANTED)
+    def planted_negated(rewards, group_ids):
+        """A deliberately broken estimator: the negated GRPO advantage."""
+        return -grpo_advantages(rewards, group_ids)
+
+
+SETTING = {
+    "warm_start": {"steps": 60, "batch_size": 32, "lr": 2e-2},
+    "rl": {"steps": 24, "batch_prompts": 32, "group_size": 4, "minibatches": 2, "lr": 3e-3, "max_new_tokens": 4,
+           "eval_every": 24, "checkpoint_every": 24},
+}
+
+
+def easy_rows(n: int, seed: int, max_operand: int = 3) -> list[dict]:
+    rng = random.Random(seed)
+    adds = [t for t, op in TEMPLATES if op == "+"]
+    rows = []
+    for i in range(n):
+        a, b, name = rng.randint(1, max_operand), rng.randint(1, max_operand), rng.choice(NAMES)
+        q = rng.choice(adds).format(name=name, pronoun=PRONOUN[name], item=rng.choice(ITEMS), a=a, b=b)
+        rows.append({"id": f"easy-{seed}-{i}", "prompt": PROMPT_FORMAT.format(question=q), "solution": str(a + b), "gold": str(a + b)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def easy_dataset(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("easy")
+    for name, n, seed in (("train.jsonl", 400, 1), ("heldout.jsonl", 32, 2)):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in easy_rows(n, seed)))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+def _nightly(tmp, dataset, seeds, references, tolerance, planted: bool, output="out"):
+    from flows.nightly_parity import nightly_parity
+
+    return nightly_parity(
+        preset="micro", seeds=seeds, references=references, tolerance=tolerance, smooth_frac=0.5,
+        overrides={**SETTING, "data": {"train_path": f"{dataset}/train.jsonl", "heldout_path": f"{dataset}/heldout.jsonl"}},
+        variant_overrides={"loglinear": {"advantage": PLANTED}} if planted else None,
+        tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}", experiment="nightly", output_dir=str(tmp / output),
+        cache_dir=str(tmp / "cache"),
+    )
+
+
+def _check(res, verdict: str, uri: str):
+    import mlflow
+
+    print(res["report_md"])  # shown with -s or on failure
+    assert res["verdict"] == verdict, res["report_md"]
+    mlflow.set_tracking_uri(uri)
+    parent = mlflow.get_run(res["parent_run_id"])
+    assert parent.data.tags["parity"] == verdict and parent.data.tags["a3po.kind"] == "nightly"
+    assert parent.data.metrics["parity/pass"] == float(verdict == "pass")
+
+
+def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp_path, easy_dataset):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    healthy = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=False)
+    _check(healthy, "pass", uri)
+    (h,) = healthy["results"]
+    assert all(abs(d) < 0.15 for d in h["diffs"]), h
+
+    planted = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=True)
+    _check(planted, "fail", uri)
+    (p,) = planted["results"]
+    assert p["ci_high"] < -0.15 and all(d < -0.15 for d in p["diffs"]), p
+    # The reference runs were finished by the healthy night and resumed, not retrained.
+    assert {r["variant"]: r["resumed_from"] for r in planted["runs"]} == {"loglinear": None, "recompute": 24}
+    # The trend compares with the earlier (healthy) night found in MLflow.
+    assert [t["parity"] for t in planted["trend"]] == ["pass"]
+    assert "1 earlier night" in planted["trend_line"]
+    assert Path(planted["output_dir"], "summary", "parity.md").read_text().startswith("# Nightly parity: fail")
+
+
+@pytest.mark.slow
+def test_nightly_parity_three_seeds_both_references(prefect_server, tmp_path, easy_dataset):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    healthy = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=False)
+    _check(healthy, "pass", uri)
+    planted = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=True)
+    _check(planted, "fail", uri)
+    assert all(not r["passed"] and r["ci_low"] < -0.2 for r in planted["results"]), planted["report_md"]

@@ -1,0 +1,150 @@
+"""The pieces under the flows, without a Prefect server: the batched MLflow logger on a real
+SQLite store, the comparison arithmetic (target, time to target, speedups), the parity rule,
+the benchmark skip and the ``--set`` parser. Seconds in total."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
+
+import pytest
+
+from flows.compare_variants import parse_sets
+from tasks.evaluation import available_benchmarks
+from tasks.parity import decide, paired_bootstrap_ci
+from tasks.summary import compare, smooth, time_to_target, window
+from tasks.tracking import MlflowMetricLogger, client_for, create_run, ensure_experiment, flatten
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = client_for(uri)
+    exp = ensure_experiment(client, "test", uri)
+    return client, exp, uri, tmp_path
+
+
+def test_logger_batches_and_backfills(store):
+    client, exp, _, _ = store
+    run_id = create_run(client, exp, "r", {"a3po.role": "child"})
+    logger = MlflowMetricLogger(client, run_id, flush_every_s=3600)
+    history = [{"reward/mean": 0.1 * s, "policy/iw_max": 1.0 + s} for s in range(1, 21)]
+    for step in (1, 2, 3):  # a run that logs live only from step 1 to 3 ...
+        logger.log_metrics(history[step - 1], step)
+    assert logger.n_calls == 0  # buffered: no round trip per step
+    assert logger.ensure_history(history) == 17  # ... and back-fills the rest (a resumed run's restored steps)
+    assert logger.n_calls == 1  # 40 values in one log_batch
+    rewards = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean"))
+    assert rewards == [(s, pytest.approx(0.1 * s)) for s in range(1, 21)]
+
+
+def test_logger_skips_logged_steps_and_rejects_bad_keys(store):
+    client, exp, _, _ = store
+    run_id = create_run(client, exp, "r", {})
+    logger = MlflowMetricLogger(client, run_id, skip_through_step=5)  # a retry: steps 1-5 are in the run
+    logger.log_metrics({"reward/mean": 1.0}, 5)
+    logger.log_metrics({"reward/mean": 2.0}, 6)
+    logger.flush()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(6, 2.0)]
+    with pytest.raises(ValueError, match="invalid MLflow metric key"):
+        logger.log_metrics({"eval/pass@1": 0.5}, 7)
+
+
+def test_experiment_artifacts_live_next_to_the_sqlite_store(store):
+    client, exp, _, tmp_path = store
+    assert client.get_experiment(exp).artifact_location == (tmp_path / "mlartifacts" / "test").as_uri()
+    assert flatten({"rl": {"lr": 0.001, "variant": "sync"}, "a": None}) == {"rl.lr": "0.001", "rl.variant": "sync", "a": "None"}
+
+
+def _hist(rewards, step_time):
+    return [{"reward/mean": r, "perf/step_time_s": step_time, "time/train_wall_s": step_time * (i + 1)} for i, r in enumerate(rewards)]
+
+
+def test_comparison_target_and_speedups():
+    # 8 steps -> window W = ceil(0.25 * 8) = 2. Rewards climb; "fast" climbs at the same rate per
+    # step but each step takes half the time.
+    ramp = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    recs = [
+        {"variant": "recompute", "seed": 0, "history": _hist(ramp, 1.0), "final_acc": 0.5, "warmstart_acc": 0.2},
+        {"variant": "loglinear", "seed": 0, "history": _hist(ramp, 0.5), "final_acc": 0.6, "warmstart_acc": 0.2},
+    ]
+    assert window(8) == 2 and smooth([0, 1, 2, 3], 2) == [0, 0.5, 1.5, 2.5]
+    comp = compare(recs)
+    # r0 = 0 (first step), final = mean(0.6, 0.7) = 0.65, target = 0 + 0.8 * 0.65 = 0.52;
+    # smoothed reward first >= 0.52 at step 7 (mean(0.5, 0.6) = 0.55): wall 7 s vs 3.5 s.
+    assert comp.target == pytest.approx(0.52)
+    assert time_to_target(recs[0]["history"], comp.target) == pytest.approx(7.0)
+    m = comp.metrics
+    assert m["speedup/loglinear_vs_recompute/time_to_target"] == pytest.approx(2.0)
+    assert m["speedup/loglinear_vs_recompute/step_time"] == pytest.approx(2.0)
+    assert m["delta/loglinear_vs_recompute/final_acc"] == pytest.approx(0.1)
+    assert m["delta/loglinear_vs_recompute/final_reward"] == pytest.approx(0.0)
+    from a3po.metrics import valid_metric_key
+
+    assert all(valid_metric_key(k) for k in m)
+
+
+def test_comparison_without_learning_reports_no_target():
+    flat = _hist([0.0] * 4, 1.0)
+    comp = compare([{"variant": v, "seed": 0, "history": flat, "final_acc": 0.0, "warmstart_acc": 0.0} for v in ("sync", "loglinear")])
+    assert comp.target is None and comp.notes
+    assert not any(k.endswith("time_to_target") for k in comp.metrics)
+
+
+def test_bootstrap_ci_brackets_the_mean_and_is_reproducible():
+    mean, low, high = paired_bootstrap_ci([0.1, -0.05, 0.02])
+    assert low <= mean <= high and -0.05 - 1e-9 <= low and high <= 0.1 + 1e-9  # within [min, max] of the diffs
+    assert paired_bootstrap_ci([0.1, -0.05, 0.02]) == (mean, low, high)
+    assert paired_bootstrap_ci([0.3]) == (0.3, 0.3, 0.3)  # one seed: the interval is the difference
+
+
+def _rec(variant, seed, final_reward):
+    # W = ceil(0.25 * 4) = 1: the final reward is the last step's reward.
+    return {"variant": variant, "seed": seed, "history": _hist([0.0, 0.0, 0.0, final_reward], 1.0), "final_acc": 0.0}
+
+
+def test_parity_rule_passes_noise_and_fails_a_regression():
+    healthy = [_rec("recompute", s, 0.40) for s in range(3)] + [_rec("loglinear", s, r) for s, r in enumerate((0.42, 0.37, 0.41))]
+    (res,) = decide(healthy, "loglinear", ["recompute"], tolerance=0.1)
+    assert res.passed and res.diffs == pytest.approx([0.02, -0.03, 0.01]) and res.ci_low == pytest.approx(-0.03)  # K=3: low = the worst seed
+    broken = [_rec("recompute", s, 0.40) for s in range(3)] + [_rec("loglinear", s, r) for s, r in enumerate((0.10, 0.05, 0.38))]
+    (res,) = decide(broken, "loglinear", ["recompute"], tolerance=0.1)
+    assert not res.passed and res.ci_low < -0.1
+
+
+def test_missing_benchmark_data_is_skipped_with_a_reason(tmp_path):
+    ok, skipped = available_benchmarks(["gsm8k", "aime24"], str(tmp_path / "absent"))
+    assert ok == [] and set(skipped) == {"gsm8k", "aime24"} and "not found" in skipped["gsm8k"]
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    ok, skipped = available_benchmarks(["gsm8k", "aime24"], str(tmp_path))
+    assert ok == ["gsm8k"] and list(skipped) == ["aime24"]
+
+
+def test_set_overrides():
+    overrides, per_variant = parse_sets(["rl.lr=1e-3", "data.n_train=50", "loglinear:rl.proximal=metrics"])
+    assert overrides == {"rl": {"lr": 1e-3}, "data": {"n_train": 50}}
+    assert per_variant == {"loglinear": {"proximal": "metrics"}}
+    with pytest.raises(SystemExit):
+        parse_sets(["loglinear:data.n_train=5"])
+
+
+def test_train_task_retry_reuses_its_child_run(store):
+    """A Prefect retry calls the task again in the same flow run: it must find its child run,
+    resume from the checkpoint and log nothing twice (the task through ``.fn()``)."""
+    from a3po.config import preset, with_overrides
+    from tasks.tracking import TrackingRef
+    from tasks.training import run_dir_for, train_variant, warm_start
+
+    client, exp, uri, tmp_path = store
+    cfg = with_overrides(preset("micro"), rl={"steps": 4})
+    ref = TrackingRef(uri, exp, create_run(client, exp, "parent", {"a3po.role": "parent"}))
+    ws = warm_start.fn(cfg, str(tmp_path / "cache"), torch_threads=1)
+    run_dir = str(run_dir_for(tmp_path / "out", cfg))
+    first = train_variant.fn(cfg, run_dir, ws, ref, torch_threads=1)
+    again = train_variant.fn(cfg, run_dir, ws, ref, torch_threads=1)
+    assert again.mlflow_run_id == first.mlflow_run_id and again.resumed_from == 4
+    assert [m.step for m in client.get_metric_history(first.mlflow_run_id, "reward/mean")] == [1, 2, 3, 4]
+    assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
