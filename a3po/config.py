@@ -80,7 +80,7 @@ class WarmStartConfig:
 @dataclass(frozen=True)
 class RLConfig:
     variant: Variant = Variant.LOGLINEAR
-    steps: int = 200
+    steps: int = 150
     batch_prompts: int = 16
     """Prompts per training batch; each is sampled ``group_size`` times (GRPO groups)."""
     group_size: int = 8

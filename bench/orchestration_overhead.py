@@ -9,23 +9,29 @@ Both paths do the same work from scratch in fresh directories: warm start, RL-tr
 variant (checkpoints every ``rl.checkpoint_every`` steps), held-out accuracy of the final
 weights. The flow also materialises the dataset, runs ~6 Prefect task runs per variant, logs
 every step's metrics, params, evaluation, system metrics and artifacts to MLflow (SQLite),
-and writes the table and plots. Two figures:
+and writes the table and plots. Three figures:
 
-- **A/B overhead** = (flow wall - direct wall) / direct wall. Honest but noisy on a shared
-  machine (each path's wall time varies by a few percent run to run; use ``--order`` to check).
-- **in-flow overhead** = flow wall time outside library calls (plus the metric logger's MLflow
-  calls made from inside training) / flow wall time: measured within the one flow run, so it
-  is insensitive to machine noise between the two runs.
+- **A/B overhead, wall** = (flow wall - direct wall) / direct wall. Honest but, on a machine
+  shared with other jobs, as noisy as their load (each path runs for minutes at different times).
+- **A/B overhead, CPU** = the same with CPU seconds: this process (all threads: training,
+  Prefect client, MLflow logging, system-metrics sampling) plus, for the flow, the Prefect
+  server process. Much less sensitive to other jobs' load (a few percent of noise remain).
+- **in-flow overhead** = flow wall time outside library calls, plus the metric logger's MLflow
+  calls made from inside training, / flow wall time: measured within the one flow run, so other
+  jobs' load between the two runs does not enter. The Prefect server's CPU seconds during the
+  flow (mostly its idle background loops, ~1.4 CPU-s a minute) are reported beside it.
 
 One-off costs reported apart, not charged to a run: starting Prefect's temporary server
 (team mode uses a running server) and creating a fresh MLflow SQLite store (the project's
-store persists). Prints a table, then one JSON line last. The claim checked: overhead < 5%.
+store persists). Prints a table, then one JSON line last. The claim checked: in-flow and A/B CPU
+overhead both under 5% (`under_5pct`); the wall A/B figure is printed, not judged.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -36,17 +42,26 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 THRESHOLD = 0.05
 
 
-def run_direct(cfg, variants: list[str], seed: int, root: Path, torch_threads: int | None) -> dict:
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all threads), or of process ``pid``."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def run_direct(cfg, variants: list[str], seed: int, root: Path) -> dict:
     """The comparison with library calls only (what the flow wraps)."""
     from a3po.config import with_overrides
     from a3po.data import load_rows
-    from a3po.evaluate import heldout_accuracy
+    from a3po.evaluate import evaluate_heldout
     from a3po.metrics import JsonlLogger
     from a3po.models import load_pretrained
     from a3po.pipeline import prepare_warmstart, train_variant
-    from tasks.runtime import set_torch_threads
 
-    set_torch_threads(torch_threads)
     t0 = time.perf_counter()
     ws_dir, ws_acc = prepare_warmstart(cfg, root / "cache", log=lambda s: None)
     final = {}
@@ -56,16 +71,16 @@ def run_direct(cfg, variants: list[str], seed: int, root: Path, torch_threads: i
         train_variant(vcfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"))
         model, tok = load_pretrained(run_dir / "final")
         _, held, _ = load_rows(vcfg.data, tok)
-        final[v] = heldout_accuracy(model, tok, held, vcfg.data.task, vcfg.rl.max_new_tokens)
+        final[v] = evaluate_heldout(model, tok, held, vcfg)["eval/heldout_acc"]
     return {"wall_s": time.perf_counter() - t0, "final_acc": final}
 
 
-def run_flow(preset: str, overrides: dict, variants: list[str], seed: int, root: Path, tracking_uri: str, torch_threads: int | None) -> dict:
+def run_flow(preset: str, overrides: dict, variants: list[str], seed: int, root: Path, tracking_uri: str) -> dict:
     from flows.compare_variants import compare_variants
 
     t0 = time.perf_counter()
     res = compare_variants(preset=preset, variants=variants, seeds=[seed], overrides=overrides, benchmarks=[], tracking_uri=tracking_uri,
-                           experiment="overhead-bench", output_dir=str(root), torch_threads=torch_threads)
+                           experiment="overhead-bench", output_dir=str(root))
     wall = time.perf_counter() - t0
     runs = res["runs"]
     library = runs[0]["warmstart"]["seconds"] + sum(r["library_s"] - r["tracking_s"] + r["evaluation"]["seconds"] for r in runs)
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-start-steps", type=int, default=None, help="override warm_start.steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=["direct-first", "flow-first"], default="direct-first")
-    ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
     args = ap.parse_args(argv)
 
     from flows.compare_variants import build_config
@@ -96,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"rl": {"steps": args.steps}}
     if args.warm_start_steps:
         overrides["warm_start"] = {"steps": args.warm_start_steps}
+    if args.torch_threads:
+        overrides["torch_threads"] = args.torch_threads
     cfg = build_config(args.preset, overrides=overrides)
     root = Path(tempfile.mkdtemp(prefix="a3po-overhead-"))
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -107,21 +124,30 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         order = ["direct", "flow"] if args.order == "direct-first" else ["flow", "direct"]
         for path in order:
+            c0, s0 = cpu_s(), cpu_s(api["pid"]) if api["pid"] else 0.0
             if path == "direct":
-                results["direct"] = run_direct(cfg, variants, args.seed, root / "direct", args.torch_threads)
+                results["direct"] = run_direct(cfg, variants, args.seed, root / "direct")
             else:
-                results["flow"] = run_flow(args.preset, overrides, variants, args.seed, root / "flow", uri, args.torch_threads)
+                results["flow"] = run_flow(args.preset, overrides, variants, args.seed, root / "flow", uri)
+            results[path]["cpu_s"] = cpu_s() - c0
+            results[path]["server_cpu_s"] = (cpu_s(api["pid"]) - s0) if api["pid"] else 0.0
 
     d, f = results["direct"], results["flow"]
     ab = (f["wall_s"] - d["wall_s"]) / d["wall_s"]
-    in_flow = (f["wall_s"] - f["library_s"]) / f["wall_s"]
+    flow_cpu = f["cpu_s"] + f["server_cpu_s"]
+    ab_cpu = (flow_cpu - d["cpu_s"]) / d["cpu_s"]
+    outside = f["wall_s"] - f["library_s"]
+    in_flow = outside / f["wall_s"]
     same = d["final_acc"] == f["final_acc"]
     rows = [
-        ("direct (library only)", f"{d['wall_s']:.1f}", "-"),
-        ("flow (Prefect + MLflow)", f"{f['wall_s']:.1f}", f"{ab:+.1%}"),
-        ("  of which library calls", f"{f['library_s']:.1f}", ""),
-        ("  of which orchestration + tracking", f"{f['wall_s'] - f['library_s']:.1f}", f"{in_flow:.1%} of the flow"),
-        ("  (MLflow logging inside training)", f"{f['tracking_in_training_s']:.2f}", ""),
+        ("direct (library only): wall", f"{d['wall_s']:.1f}", "-"),
+        ("flow (Prefect + MLflow): wall", f"{f['wall_s']:.1f}", f"{ab:+.1%} (A/B wall)"),
+        ("direct: CPU", f"{d['cpu_s']:.1f}", "-"),
+        ("flow: CPU incl. Prefect server", f"{flow_cpu:.1f}", f"{ab_cpu:+.1%} (A/B CPU)"),
+        ("flow: library calls (wall)", f"{f['library_s']:.1f}", ""),
+        ("flow: outside library calls (wall)", f"{outside:.1f}", f"{in_flow:.1%} of the flow (in-flow)"),
+        ("flow: MLflow logging inside training", f"{f['tracking_in_training_s']:.2f}", "(in the line above)"),
+        ("flow: Prefect server CPU", f"{f['server_cpu_s']:.1f}", f"{f['server_cpu_s'] / flow_cpu:.1%} of the flow's CPU"),
         ("one-off: Prefect temporary server start", f"{api['startup_s']:.1f}", "not charged"),
         ("one-off: new MLflow SQLite store", f"{store_s:.1f}", "not charged"),
     ]
@@ -130,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     for what, secs, note in rows:
         print(f"| {what:40s} | {secs:>8s} | {note} |")
     print(f"\nfinal held-out accuracy identical on both paths: {same} {d['final_acc']}")
-    ok = max(ab, in_flow) < THRESHOLD
-    print(f"orchestration overhead {'under' if ok else 'NOT under'} {THRESHOLD:.0%}: A/B {ab:+.1%}, in-flow {in_flow:.1%}")
+    ok = max(ab_cpu, in_flow) < THRESHOLD
+    print(f"orchestration overhead {'under' if ok else 'NOT under'} {THRESHOLD:.0%} (judged on A/B CPU {ab_cpu:+.1%} and in-flow {in_flow:.1%}; "
+          f"A/B wall {ab:+.1%} carries other jobs' load)")
     print(json.dumps({
         "preset": args.preset, "variants": variants, "steps": args.steps, "order": args.order,
         "direct_s": round(d["wall_s"], 2), "flow_s": round(f["wall_s"], 2), "flow_library_s": round(f["library_s"], 2),
-        "overhead_ab": round(ab, 4), "overhead_in_flow": round(in_flow, 4), "under_5pct": ok, "same_results": same,
+        "direct_cpu_s": round(d["cpu_s"], 1), "flow_cpu_s": round(flow_cpu, 1), "prefect_server_cpu_s": round(f["server_cpu_s"], 1),
+        "overhead_ab_wall": round(ab, 4), "overhead_ab_cpu": round(ab_cpu, 4), "overhead_in_flow": round(in_flow, 4), "under_5pct": ok, "same_results": same,
         "prefect_server_startup_s": round(api["startup_s"], 1), "mlflow_store_init_s": round(store_s, 1),
     }), flush=True)
     return 0

@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model == "small" and params < MIN_BENCH_PARAMS:
         raise SystemExit(f"bench model has {params:,} parameters, expected >= {MIN_BENCH_PARAMS:,}")
     n_prompts = args.batch // args.group_size
-    scored = make_scored_batch(model, tokenizer, n_prompts, args.group_size, args.seq_len, seed=args.seed)
-    b = scored.rollout
-    n_gen = int(b.response_mask.sum())
     rl_kwargs = dict(batch_prompts=n_prompts, group_size=args.group_size, minibatches=args.minibatches, max_new_tokens=args.seq_len, seed=args.seed)
     temperature = RLConfig(**rl_kwargs).temperature
+    # Sampled at the training temperature, as the controller would.
+    scored = make_scored_batch(model, tokenizer, n_prompts, args.group_size, args.seq_len, seed=args.seed, temperature=temperature)
+    b = scored.rollout
+    n_gen = int(b.response_mask.sum())
 
     prox = time_proximal(model, scored, args.staleness, temperature, args.repeats, args.prox_inner)
     steps = time_steps(model, scored, args.staleness, rl_kwargs, args.repeats, args.warmup)

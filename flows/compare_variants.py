@@ -61,14 +61,15 @@ def build_config(
     steps: int | None = None,
     max_staleness: int | None = None,
     checkpoint_every: int | None = None,
-    overrides: dict[str, dict[str, Any]] | None = None,
+    overrides: dict[str, Any] | None = None,
+    torch_threads: int | None = None,
 ) -> TrainConfig:
     """The base config of a comparison: preset, then YAML, then explicit values (invalid
     combinations raise here, before anything runs)."""
     cfg = load_preset(preset)
     if config:
         cfg = merge_yaml(cfg, config)
-    sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (overrides or {}).items()}
+    sections: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (overrides or {}).items()}
     if model:
         sections.setdefault("model", {})["name"] = model
     if dataset:
@@ -80,6 +81,8 @@ def build_config(
     for key, val in (("steps", steps), ("max_staleness", max_staleness), ("checkpoint_every", checkpoint_every)):
         if val is not None:
             rl[key] = val
+    if torch_threads:
+        sections["torch_threads"] = torch_threads
     return with_overrides(cfg, **sections)
 
 
@@ -99,19 +102,18 @@ def run_comparison(
     data_dir: str | None,
     bench_limit: int | None,
     bench_max_new_tokens: int,
-    torch_threads: int | None,
     system_metrics_interval_s: float,
 ) -> list[dict[str, Any]]:
     """The comparison body shared by the flows: one record per variant x seed."""
     data = prepare_dataset(base, str(cache_dir))
     base = with_prepared_data(base, data)
-    ws = warm_start(base, str(cache_dir), torch_threads)
+    ws = warm_start(base, str(cache_dir))
     get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
     records = []
     for variant in variants:
         for seed in seeds:
             cfg = variant_config(base, variant, seed, variant_overrides)
-            run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, torch_threads, system_metrics_interval_s)
+            run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, system_metrics_interval_s)
             ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))
             log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
             records.append({**run.as_dict(), "evaluation": ev, "warmstart": {"dir": ws.dir, "heldout_acc": ws.heldout_acc, "seconds": ws.seconds}})
@@ -136,7 +138,7 @@ def compare_variants(
     dataset: str | None = None,
     task: str | None = None,
     config: str | None = None,
-    overrides: dict[str, dict[str, Any]] | None = None,
+    overrides: dict[str, Any] | None = None,
     variant_overrides: dict[str, dict[str, Any]] | None = None,
     benchmarks: list[str] = list(BENCHMARKS),
     bench_limit: int | None = 50,
@@ -148,7 +150,7 @@ def compare_variants(
     cache_dir: str | None = None,
     target_fraction: float = TARGET_FRACTION,
     smooth_frac: float = SMOOTH_FRAC,
-    torch_threads: int | None = 1,
+    torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
 ) -> dict[str, Any]:
     """Train and evaluate ``variants`` x ``seeds`` from one warm start; compare them.
@@ -165,10 +167,11 @@ def compare_variants(
     tracking_uri: MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db).
     output_dir: run dirs (default runs/compare-<preset>); re-running resumes. cache_dir: dataset
     and warm-start cache (default <output_dir>/cache). target_fraction / smooth_frac: see
-    tasks.summary. torch_threads: intra-op threads per process (None: torch's default).
+    tasks.summary. torch_threads: overrides the config's ``torch_threads`` (intra-op threads of
+    each of the trainer's two Python threads; the library's default 1 suits 2 cores).
     """
     t0 = time.perf_counter()
-    base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides)
+    base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     for v in variants:
         Variant(v)  # raises on an unknown name
     out = Path(output_dir or f"runs/compare-{preset}").resolve()
@@ -182,7 +185,7 @@ def compare_variants(
                           parent_params(base, **flow_values))
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, bench_max_new_tokens, torch_threads, system_metrics_interval_s)
+                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s)
         summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
         log_to_parent(ref, summary["metrics"], summary["artifacts"])
     except BaseException:
@@ -225,18 +228,24 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
 # --- command line -------------------------------------------------------------------------
 
 
-def parse_sets(items: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """``--set rl.lr=1e-3`` (all variants) / ``--set loglinear:rl.proximal=metrics`` (one
-    variant; rl fields only). Values are parsed as YAML scalars."""
-    overrides: dict[str, dict[str, Any]] = {}
+def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``--set rl.lr=1e-3`` (all variants; ``--set torch_threads=2`` for a top-level field) /
+    ``--set loglinear:rl.proximal=metrics`` (one variant; rl fields only). Values are parsed as
+    YAML scalars."""
+    overrides: dict[str, Any] = {}
     per_variant: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or "." not in key:
+        if not sep or not key:
             raise SystemExit(f"--set expects [variant:]section.field=value, got {item!r}")
         variant, _, dotted = key.rpartition(":")
         section, _, field = dotted.partition(".")
         value = _scalar(raw)
+        if not field:  # a top-level field, e.g. torch_threads=2
+            if variant:
+                raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
+            overrides[section] = value
+            continue
         if variant:
             if section != "rl":
                 raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
@@ -283,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", default=None, help="default runs/compare-<preset>; re-running with the same dir resumes")
     ap.add_argument("--cache-dir", default=None, help="dataset / warm-start cache; default <output-dir>/cache")
     ap.add_argument("--target-fraction", type=float, default=TARGET_FRACTION)
-    ap.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
     ap.add_argument("--system-metrics-interval", type=float, default=10.0, help="seconds between MLflow system-metric samples")
     return ap
 
@@ -297,7 +306,7 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         benchmarks=_csv(args.benchmarks), bench_limit=args.bench_limit or None, bench_max_new_tokens=args.bench_max_new_tokens,
         data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(), experiment=args.experiment,
         output_dir=args.output_dir, cache_dir=args.cache_dir, target_fraction=args.target_fraction,
-        torch_threads=args.torch_threads or None, system_metrics_interval_s=args.system_metrics_interval,
+        torch_threads=args.torch_threads, system_metrics_interval_s=args.system_metrics_interval,
     )
 
 

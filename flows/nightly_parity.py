@@ -64,7 +64,7 @@ def nightly_parity(
     n_boot: int = 10_000,
     smooth_frac: float = SMOOTH_FRAC,
     max_staleness: int | None = None,
-    overrides: dict[str, dict[str, Any]] | None = None,
+    overrides: dict[str, Any] | None = None,
     variant_overrides: dict[str, dict[str, Any]] | None = None,
     benchmarks: list[str] = [],
     bench_limit: int | None = 50,
@@ -74,7 +74,7 @@ def nightly_parity(
     output_dir: str | None = None,
     cache_dir: str | None = None,
     history: int = 14,
-    torch_threads: int | None = 1,
+    torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
     fail_on_regression: bool = False,
 ) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def nightly_parity(
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
-    base = build_config(preset, steps=steps, max_staleness=max_staleness, overrides=overrides)
+    base = build_config(preset, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
     out = Path(output_dir or f"runs/nightly/{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}").resolve()
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
@@ -105,7 +105,7 @@ def nightly_parity(
                           parent_params(base, **flow_values))
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, 64, torch_threads, system_metrics_interval_s)
+                                 bench_limit, 64, system_metrics_interval_s)
         summary = summarise(records, str(out / "summary"), TARGET_FRACTION, smooth_frac)
         results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
         trend = earlier_nights(uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", default=None, help="default runs/nightly/<UTC date>")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--history", type=int, default=14, help="earlier nights to compare with")
-    ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
     return ap
 
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides or None, variant_overrides=per_variant or None, benchmarks=_csv(args.benchmarks),
             bench_limit=args.bench_limit or None, data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(),
             experiment=args.experiment, output_dir=args.output_dir, cache_dir=args.cache_dir, history=args.history,
-            torch_threads=args.torch_threads or None,
+            torch_threads=args.torch_threads,
         )
     print("\n" + res["table_md"] + "\n\n" + res["report_md"])
     print(f"trend: {res['trend_line']}")

@@ -1,8 +1,8 @@
 """``evaluate_checkpoint``: a trained policy on the in-domain held-out set and, when their files
 are there, GSM8K / MATH500 / AIME24.
 
-The held-out accuracy is :func:`a3po.evaluate.heldout_accuracy` (the trainer's own measure, on
-the prepared held-out file); the benchmarks go through ``eval.runner.run_eval`` (the same
+The held-out figures are :func:`a3po.evaluate.evaluate_heldout` (the trainer's own measure:
+sampled mean@n at the training temperature, plus greedy pass@1, on the prepared held-out file); the benchmarks go through ``eval.runner.run_eval`` (the same
 rollout engine and grader). Benchmark files are looked up in ``data_dir``
 (``<data_dir>/<name>/test.jsonl``); the pipeline never needs them: a missing folder or file
 skips that benchmark and the reason is recorded (returned, and tagged on the MLflow run).
@@ -64,7 +64,7 @@ def _eval_cache_key(context, inputs) -> str | None:
     cfg: TrainConfig = inputs["cfg"]
     blob = json.dumps({
         "model": model_hash(model_dir), "heldout": file_sha256(cfg.data.heldout_path) if cfg.data.heldout_path else None,
-        "task": cfg.data.task, "max_new_tokens": cfg.rl.max_new_tokens, "files": files, "skipped": sorted(skipped),
+        "task": cfg.data.task, "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, cfg.torch_threads], "files": files, "skipped": sorted(skipped),
         "limit": inputs["limit"], "bench_max_new_tokens": inputs["bench_max_new_tokens"], "out": str(Path(inputs["out_dir"]).resolve()),
     }, sort_keys=True)
     return "eval-" + hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -78,15 +78,18 @@ def _bench_file(name: str, data_dir: str) -> Path:
 
 def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: str | None, limit: int | None, bench_max_new_tokens: int, out_dir: str) -> dict[str, Any]:
     """Plain function behind the task (also used by the overhead bench)."""
+    import torch
+
     from a3po.data import load_rows
-    from a3po.evaluate import heldout_accuracy
+    from a3po.evaluate import evaluate_heldout
     from a3po.models import load_pretrained
 
     t0 = time.perf_counter()
+    torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(model_dir)
     _, heldout, _ = load_rows(cfg.data, tokenizer)
-    acc = heldout_accuracy(model, tokenizer, heldout, cfg.data.task, cfg.rl.max_new_tokens)
-    metrics = {"eval/final/heldout_acc": acc}
+    held = evaluate_heldout(model, tokenizer, heldout, cfg)  # the trainer's measure: eval/heldout_acc, eval/heldout_greedy_acc
+    metrics = {k.replace("eval/", "eval/final/", 1): v for k, v in held.items()}
     ok, skipped = available_benchmarks(benchmarks, data_dir)
     results_path = None
     if ok:

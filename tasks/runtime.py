@@ -76,18 +76,9 @@ def run_logger():
         return logging.getLogger("a3po.tasks")
 
 
-def set_torch_threads(n: int | None) -> None:
-    """Intra-op threads for the tiny models. On a shared 2-core machine one thread per process
-    is much faster (producer and trainer threads already use both cores)."""
-    if n:
-        import torch
-
-        torch.set_num_threads(n)
-
-
 @contextlib.contextmanager
 def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
-    """Yield ``{"api_url", "temporary", "startup_s"}``. With ``PREFECT_API_URL`` set, that
+    """Yield ``{"api_url", "temporary", "startup_s", "pid"}``. With ``PREFECT_API_URL`` set, that
     server; otherwise start Prefect's temporary local server here (instead of lazily inside
     the first flow call) so its start-up is timed and it is stopped before the caller prints
     its final JSON line."""
@@ -95,14 +86,14 @@ def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
 
     configured = PREFECT_API_URL.value()
     if configured:
-        yield {"api_url": configured, "temporary": False, "startup_s": 0.0}
+        yield {"api_url": configured, "temporary": False, "startup_s": 0.0, "pid": None}
         return
     from prefect.server.api.server import SubprocessASGIServer
 
     t0 = time.perf_counter()
     server = SubprocessASGIServer()
     server.start(timeout=startup_timeout_s or int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
-    info = {"api_url": server.api_url, "temporary": True, "startup_s": time.perf_counter() - t0}
+    info = {"api_url": server.api_url, "temporary": True, "startup_s": time.perf_counter() - t0, "pid": server.server_process.pid}
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             yield info

@@ -28,7 +28,7 @@ from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
 from a3po.metrics import NullLogger
 from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
-from tasks.runtime import run_logger, set_torch_threads
+from tasks.runtime import run_logger
 from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
@@ -72,9 +72,8 @@ def _warmstart_cache_key(context, inputs) -> str | None:
 
 
 @task(cache_key_fn=_warmstart_cache_key, persist_result=True)
-def warm_start(cfg: TrainConfig, cache_root: str, torch_threads: int | None = None) -> WarmStart:
+def warm_start(cfg: TrainConfig, cache_root: str) -> WarmStart:
     """Supervised warm start, once per (model, data, warm_start) config."""
-    set_torch_threads(torch_threads)
     t0 = time.perf_counter()
     out, acc = prepare_warmstart(cfg, cache_root, log=run_logger().info)
     return WarmStart(dir=str(Path(out).resolve()), heldout_acc=acc, key=warmstart_key(cfg), seconds=time.perf_counter() - t0)
@@ -130,12 +129,10 @@ def train_variant(
     run_dir: str,
     warmstart: WarmStart,
     tracking: TrackingRef | None = None,
-    torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
 ) -> RunRecord:
     """RL-train one variant x seed from the warm start (resuming from its last checkpoint)."""
     log = run_logger()
-    set_torch_threads(torch_threads)
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
     name = f"{cfg.rl.variant.value} seed {cfg.rl.seed}"

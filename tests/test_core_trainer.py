@@ -26,7 +26,8 @@ N_PROMPTS, GROUP, MAX_NEW = 4, 2, 6
 
 
 def _cfg(variant, **kw) -> RLConfig:
-    base = dict(variant=variant, batch_prompts=N_PROMPTS, group_size=GROUP, minibatches=2, max_new_tokens=MAX_NEW)
+    # temperature 1.0: the batches below are sampled at make_scored_batch's default temperature.
+    base = dict(variant=variant, batch_prompts=N_PROMPTS, group_size=GROUP, minibatches=2, max_new_tokens=MAX_NEW, temperature=1.0)
     return RLConfig(**{**base, **kw})
 
 

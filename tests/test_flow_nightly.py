@@ -42,8 +42,9 @@ if PLANTED not in ADVANTAGE_ESTIMATORS:
 
 SETTING = {
     "warm_start": {"steps": 60, "batch_size": 32, "lr": 2e-2},
-    "rl": {"steps": 24, "batch_prompts": 32, "group_size": 4, "minibatches": 2, "lr": 3e-3, "max_new_tokens": 4,
-           "eval_every": 24, "checkpoint_every": 24},
+    # Pinned rather than taken from RLConfig's defaults, which are tuned for the tiny preset.
+    "rl": {"steps": 24, "batch_prompts": 32, "group_size": 4, "minibatches": 2, "lr": 3e-3, "lr_warmup_steps": 0,
+           "temperature": 1.0, "eval_samples": 1, "max_new_tokens": 4, "eval_every": 24, "checkpoint_every": 24},
 }
 
 
@@ -115,6 +116,23 @@ def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp
     assert [t["parity"] for t in planted["trend"]] == ["pass"]
     assert "1 earlier night" in planted["trend_line"]
     assert Path(planted["output_dir"], "summary", "parity.md").read_text().startswith("# Nightly parity: fail")
+
+
+def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, easy_dataset, capsys):
+    """The __main__ path: exit status 1 and the JSON line last. Same runs as the planted night
+    of the test above, computed afresh here in its own directory (K = 1 to keep it short)."""
+    from flows.nightly_parity import main
+
+    sets = [f"{sec}.{k}={v}" for sec, kv in SETTING.items() for k, v in kv.items()]
+    sets += [f"data.train_path={easy_dataset}/train.jsonl", f"data.heldout_path={easy_dataset}/heldout.jsonl", f"loglinear:rl.advantage={PLANTED}"]
+    argv = ["--preset", "micro", "--seeds", "0", "--references", "recompute", "--tolerance", "0.15", "--smooth-frac", "0.5",
+            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--output-dir", str(tmp_path / "out")]
+    for item in sets:
+        argv += ["--set", item]
+    assert main(argv) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    figures = json.loads(last)
+    assert figures["verdict"] == "fail" and figures["loglinear_vs_recompute/pass"] is False
 
 
 @pytest.mark.slow

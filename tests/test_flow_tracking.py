@@ -18,8 +18,10 @@ from tasks.summary import compare, smooth, time_to_target, window
 from tasks.tracking import MlflowMetricLogger, client_for, create_run, ensure_experiment, flatten
 
 
-@pytest.fixture
-def store(tmp_path):
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite store for the module (creating one runs MLflow's migrations: seconds)."""
+    tmp_path = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = client_for(uri)
     exp = ensure_experiment(client, "test", uri)
@@ -124,8 +126,8 @@ def test_missing_benchmark_data_is_skipped_with_a_reason(tmp_path):
 
 
 def test_set_overrides():
-    overrides, per_variant = parse_sets(["rl.lr=1e-3", "data.n_train=50", "loglinear:rl.proximal=metrics"])
-    assert overrides == {"rl": {"lr": 1e-3}, "data": {"n_train": 50}}
+    overrides, per_variant = parse_sets(["rl.lr=1e-3", "data.n_train=50", "loglinear:rl.proximal=metrics", "torch_threads=2"])
+    assert overrides == {"rl": {"lr": 1e-3}, "data": {"n_train": 50}, "torch_threads": 2}
     assert per_variant == {"loglinear": {"proximal": "metrics"}}
     with pytest.raises(SystemExit):
         parse_sets(["loglinear:data.n_train=5"])
@@ -141,10 +143,10 @@ def test_train_task_retry_reuses_its_child_run(store):
     client, exp, uri, tmp_path = store
     cfg = with_overrides(preset("micro"), rl={"steps": 4})
     ref = TrackingRef(uri, exp, create_run(client, exp, "parent", {"a3po.role": "parent"}))
-    ws = warm_start.fn(cfg, str(tmp_path / "cache"), torch_threads=1)
+    ws = warm_start.fn(cfg, str(tmp_path / "cache"))
     run_dir = str(run_dir_for(tmp_path / "out", cfg))
-    first = train_variant.fn(cfg, run_dir, ws, ref, torch_threads=1)
-    again = train_variant.fn(cfg, run_dir, ws, ref, torch_threads=1)
+    first = train_variant.fn(cfg, run_dir, ws, ref)
+    again = train_variant.fn(cfg, run_dir, ws, ref)
     assert again.mlflow_run_id == first.mlflow_run_id and again.resumed_from == 4
     assert [m.step for m in client.get_metric_history(first.mlflow_run_id, "reward/mean")] == [1, 2, 3, 4]
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
