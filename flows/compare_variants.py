@@ -37,12 +37,12 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
 from a3po.config import TrainConfig, Variant, config_to_dict, merge_yaml, preset as load_preset, with_overrides
-from tasks.data import prepare_dataset, with_prepared_data
+from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, log_evaluation, log_to_parent, open_parent_run
-from tasks.training import run_dir_for, train_variant, warm_start
+from tasks.training import run_dir_for, train_variant, warm_start, warmstart_ready
 
 DEFAULT_VARIANTS = [v.value for v in Variant]  # sync, recompute, loglinear
 
@@ -105,9 +105,10 @@ def run_comparison(
     system_metrics_interval_s: float,
 ) -> list[dict[str, Any]]:
     """The comparison body shared by the flows: one record per variant x seed."""
-    data = prepare_dataset(base, str(cache_dir))
+    # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
+    data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
     base = with_prepared_data(base, data)
-    ws = warm_start(base, str(cache_dir))
+    ws = warm_start.with_options(refresh_cache=not warmstart_ready(base, cache_dir))(base, str(cache_dir))
     get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
     records = []
     for variant in variants:

@@ -117,18 +117,26 @@ def with_prepared_data(cfg: TrainConfig, data: PreparedData) -> TrainConfig:
     return with_overrides(cfg, data={"train_path": data.train_path, "heldout_path": data.heldout_path})
 
 
-def _data_cache_key(context, inputs) -> str | None:
-    """Cache hit only when the artifact is on disk: key = input hash + folder + report hash."""
-    cfg, root = inputs["cfg"], inputs["cache_root"]
-    report = Path(root) / f"data-{dataset_key(cfg)}" / "report.json"
-    if not report.exists():
-        return None  # (re)build; the library-level check makes a rebuild of an existing folder free
-    return f"data-{dataset_key(cfg)}-{hashlib.sha256(str(report.resolve()).encode()).hexdigest()[:12]}-{file_sha256(report)[:12]}"
+def dataset_dir(cfg: TrainConfig, cache_root: str | Path) -> Path:
+    return Path(cache_root).resolve() / f"data-{dataset_key(cfg)}"
+
+
+def dataset_ready(cfg: TrainConfig, cache_root: str | Path) -> bool:
+    """The materialised folder is on disk (callers refresh Prefect's cache record when not)."""
+    return (dataset_dir(cfg, cache_root) / "report.json").exists()
+
+
+def _data_cache_key(context, inputs) -> str:
+    """Input hash + the folder it lands in (a path and a hash, never the rows)."""
+    folder = dataset_dir(inputs["cfg"], inputs["cache_root"])
+    return "data-" + hashlib.sha256(str(folder).encode()).hexdigest()[:24]
 
 
 @task(cache_key_fn=_data_cache_key, persist_result=True)
 def prepare_dataset(cfg: TrainConfig, cache_root: str) -> PreparedData:
-    """Validated train / held-out rows as JSONL, keyed by the data inputs."""
+    """Validated train / held-out rows as JSONL, keyed by the data inputs. Call it with
+    ``.with_options(refresh_cache=not dataset_ready(...))`` so a deleted folder is rebuilt
+    instead of a cached record pointing at it being returned."""
     return materialise(cfg, cache_root)
 
 

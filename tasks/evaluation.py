@@ -105,7 +105,7 @@ def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: 
             "seconds": time.perf_counter() - t0}
 
 
-@task(cache_key_fn=_eval_cache_key, persist_result=True)
+@task(cache_key_fn=_eval_cache_key, persist_result=True, retries=1)  # idempotent: safe to retry
 def evaluate_checkpoint(
     model_dir: str,
     cfg: TrainConfig,

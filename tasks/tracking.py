@@ -245,7 +245,7 @@ def log_evaluation(ref: TrackingRef, run_id: str, evaluation: dict[str, Any]) ->
     log_metrics_now(client, run_id, evaluation["metrics"], step=evaluation.get("step", 0))
     for name, reason in evaluation.get("skipped", {}).items():
         client.set_tag(run_id, f"eval.skipped.{name}", reason[:5000])
-    if evaluation.get("results_path"):
+    if evaluation.get("results_path") and Path(evaluation["results_path"]).exists():
         client.log_artifact(run_id, evaluation["results_path"], artifact_path="eval")
 
 

@@ -62,18 +62,24 @@ def run_dir_for(output_dir: str | Path, cfg: TrainConfig) -> Path:
     return Path(output_dir).resolve() / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}-{config_hash(cfg)}"
 
 
-def _warmstart_cache_key(context, inputs) -> str | None:
-    """Hit only when the warm-start directory is on disk (key: config hash, folder, metadata hash)."""
-    cfg, root = inputs["cfg"], inputs["cache_root"]
-    meta = Path(root).resolve() / f"warmstart-{warmstart_key(cfg)}" / "a3po_warmstart.json"
-    if not meta.exists():
-        return None
-    return "warmstart-" + hashlib.sha256(f"{meta}:{meta.read_bytes()!r}".encode()).hexdigest()[:24]
+def warmstart_dir(cfg: TrainConfig, cache_root: str | Path) -> Path:
+    return Path(cache_root).resolve() / f"warmstart-{warmstart_key(cfg)}"
+
+
+def warmstart_ready(cfg: TrainConfig, cache_root: str | Path) -> bool:
+    """The warm-start folder is on disk (callers refresh Prefect's cache record when not)."""
+    return (warmstart_dir(cfg, cache_root) / "a3po_warmstart.json").exists()
+
+
+def _warmstart_cache_key(context, inputs) -> str:
+    """The library's warm-start key (a config hash) + the folder it lands in."""
+    return "warmstart-" + hashlib.sha256(str(warmstart_dir(inputs["cfg"], inputs["cache_root"])).encode()).hexdigest()[:24]
 
 
 @task(cache_key_fn=_warmstart_cache_key, persist_result=True)
 def warm_start(cfg: TrainConfig, cache_root: str) -> WarmStart:
-    """Supervised warm start, once per (model, data, warm_start) config."""
+    """Supervised warm start, once per (model, data, warm_start) config. Call it with
+    ``.with_options(refresh_cache=not warmstart_ready(...))`` (see ``prepare_dataset``)."""
     t0 = time.perf_counter()
     out, acc = prepare_warmstart(cfg, cache_root, log=run_logger().info)
     return WarmStart(dir=str(Path(out).resolve()), heldout_acc=acc, key=warmstart_key(cfg), seconds=time.perf_counter() - t0)

@@ -70,3 +70,18 @@ def core_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --- pipeline tests (tests/test_flow_*.py): one Prefect test server for the session ---
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """Prefect's test harness (a temporary API server on a throwaway SQLite database), started
+    once per session (~20 s on 2 cores) and shared by the flow tests; yields its API URL.
+    Prefect is imported here, not at the top, so core and eval tests never load it."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()

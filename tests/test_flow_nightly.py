@@ -67,15 +67,6 @@ def easy_dataset(tmp_path_factory) -> str:
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
-
-
 def _nightly(tmp, dataset, seeds, references, tolerance, planted: bool, output="out"):
     from flows.nightly_parity import nightly_parity
 

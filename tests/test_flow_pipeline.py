@@ -5,7 +5,7 @@ on SQLite) and a real MLflow store (SQLite in tmp_path), micro preset.
    ``mlflow.search_runs``; a second run of the same output dir hits the caches and resumes
    finished runs instead of retraining.
 2. ``kill -9`` mid-training: the flow runs in a subprocess (own process group, pointed at this
-   module's Prefect server), is SIGKILLed once a checkpoint exists, and run again: it resumes
+   session's Prefect server), is SIGKILLed once a checkpoint exists, and run again: it resumes
    from that checkpoint and its per-step history and final accuracy equal an uninterrupted
    run's exactly (the 'deterministic' schedule; timing metrics aside).
 """
@@ -28,15 +28,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "eval" / "fixtures"
 TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
 
 
 def _search(uri: str, experiment: str):
@@ -101,6 +92,41 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     runs = _search(uri, "e2e")
     second = runs[runs["tags.mlflow.parentRunId"] == again["parent_run_id"]]
     assert len(second) == 3 and set(second["tags.a3po.backfilled_steps"]) == {"6"}  # full record in the new child runs
+    flow_run_id = runs[runs["run_id"] == again["parent_run_id"]].iloc[0]["tags.prefect.flow_run_id"]
+    states = _task_states(flow_run_id, expect=15)  # parent open + log + close, dataset, warm start, 3 x (train, evaluate, log), summary
+    assert states["prepare_dataset"] == states["warm_start"] == {"Cached"}
+    assert states["evaluate_checkpoint"] == {"Cached"} and states["train_variant"] == {"Completed"}
+
+    # Cache folders deleted by hand: the cached records are refreshed, never returned stale.
+    import shutil
+
+    for d in (tmp_path / "out" / "cache").iterdir():
+        shutil.rmtree(d)
+    third = compare_variants(**kw)
+    fr = _search(uri, "e2e").set_index("run_id").loc[third["parent_run_id"], "tags.prefect.flow_run_id"]
+    states = _task_states(fr, expect=15)
+    assert states["prepare_dataset"] == states["warm_start"] == {"Completed"}
+    assert Path(third["runs"][0]["warmstart"]["dir"]).is_dir()
+    assert [r["final_acc"] for r in third["runs"]] == [r["final_acc"] for r in res["runs"]]
+
+
+def _task_states(flow_run_id: str, expect: int, timeout_s: float = 30) -> dict[str, set[str]]:
+    """Task-run states of a flow run by task name, read from the Prefect server (task runs are
+    recorded from events, asynchronously: poll until all are there)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            if len(runs) >= expect or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    states: dict[str, set[str]] = {}
+    for tr in runs:
+        states.setdefault(tr.name.rsplit("-", 1)[0], set()).add(tr.state.name)
+    return states
 
 
 def _without_timing(history_path: Path) -> list[dict]:
