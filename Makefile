@@ -44,4 +44,4 @@ bench: setup
 	$(BIN)/python -m bench.orchestration_overhead
 
 clean:
-	rm -rf runs mlflow.db .prefect
+	rm -rf runs mlflow.db .prefect mlartifacts .a3po/team

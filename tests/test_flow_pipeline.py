@@ -23,8 +23,6 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "eval" / "fixtures"
 TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
