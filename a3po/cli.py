@@ -68,9 +68,15 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    from eval.cli import main as eval_main  # eval/ imports a3po, so only on demand
+
+    return eval_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train, "eval": lambda a: __import__("eval.cli", fromlist=["main"]).main(a)}
+    commands = {"train": _train, "eval": _eval}
     if not argv or argv[0] not in commands:
         print(f"usage: a3po {{{','.join(commands)}}} [options]   (a3po <command> --help)", file=sys.stderr)
         return 2

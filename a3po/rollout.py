@@ -12,12 +12,11 @@ behaviour log-prob is exactly that of its recorded version given its prefix.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import inspect
-
 from transformers import DynamicCache, Qwen2ForCausalLM
 
 from a3po.logprobs import position_ids_from_mask, sampling_log_softmax

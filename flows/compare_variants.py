@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated; '' for none")
     ap.add_argument("--bench-limit", type=int, default=50, help="first N problems of each benchmark (0: all)")
     ap.add_argument("--bench-max-new-tokens", type=int, default=64)
-    ap.add_argument("--data-dir", default=None, help="benchmark files (<dir>/<name>/test.jsonl); default $A3PO_SHARED_DATA or ../shared/data")
+    ap.add_argument("--data-dir", default=None, help="benchmark files (<dir>/<name>/test.jsonl); default $A3PO_SHARED_DATA or ../shared/data; optional: benchmarks are skipped when absent")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
     ap.add_argument("--experiment", default="a3po-compare")
     ap.add_argument("--output-dir", default=None, help="default runs/compare-<preset>; re-running with the same dir resumes")

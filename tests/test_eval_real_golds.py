@@ -1,6 +1,6 @@
 """Every real gold is gradable: a natural completion ending in it scores 1, a wrong one scores 0.
 
-Over the full GSM8K test (1319), MATH500 (500) and AIME24 (30) files when ``../shared/data`` is
+Over the full GSM8K test (1319), MATH500 (500) and AIME24 (30) files when the optional ``../shared/data`` is
 present (marker ``data``), and always over the shipped fixtures. The completion is
 "... so the answer is \\boxed{GOLD}." with GOLD written as in the file (GSM8K keeps its
 thousands commas); the wrong one replaces GOLD by ``eval.synthetic.wrong_answer(GOLD)``
