@@ -2,15 +2,22 @@
 
 Each problem has a one-line worked solution and a final ``#### N`` line, like GSM8K::
 
-    Question: Mia has 23 pens. She buys 45 more. How many pens does Mia have now?
-    Answer: 23 + 45 = 68
-    #### 68
+    Question: Mia has 3 pens. She buys 5 more. How many pens does Mia have now?
+    Answer: 3 + 5 = 8
+    #### 8
 
 Train and held-out problems are disjoint by construction: a problem is held out when a hash
 of its text's ingredients (template, name, item, operands) falls in the held-out bucket,
 whatever the seed. No held-out question appears in training; the arithmetic facts behind them
 do (with single-digit operands there are only ~200 of them), so held-out accuracy measures
 whether the policy computes the answer reliably, which is what RL can improve.
+
+The warm-start solutions come from a careless teacher: a fraction ``slip_rate`` of them carry
+a result off by 1 or 2 (``3 + 5 = 9 / #### 9``). Supervised learning on them yields a policy
+with the format and the facts but a habit of near misses, a realistic starting point for RL
+with a verifiable reward (distilled reasoning traces contain such slips), and one a 2-core CPU
+can improve in minutes. With clean solutions, the tiny model's errors are mostly failures to
+copy operands and its RL gains are a few points in 10 minutes (docs/results.md).
 """
 
 from __future__ import annotations
@@ -41,11 +48,17 @@ PROMPT_FORMAT = "Question: {question}\nAnswer: "
 
 @dataclass(frozen=True)
 class ArithmeticDifficulty:
-    """Operand ranges. The defaults put a warm-started tiny model between 0.15 and 0.6."""
+    """Operand ranges and the teacher's slip rate. The defaults put the warm-started tiny
+    model at ~0.3 held-out accuracy (mean@4 at T = 0.7; ~0.5 greedy)."""
 
     max_add: int = 9  # operands of + and - lie in [1, max_add]
     max_mul: int = 5  # operands of * lie in [2, max_mul]
     heldout_fraction: float = 0.2
+    slip_rate: float = 0.65
+    """Fraction of training solutions written by a careless teacher: the worked line and the
+    ``####`` line carry a result off by 1 or 2 (the gold stays right). Supervised learning on
+    them gives a policy that knows each fact but often writes a near miss; the verifiable
+    reward is what tells the two apart."""
 
 
 def _is_heldout(key: str, fraction: float) -> bool:
@@ -76,6 +89,13 @@ def make_problem(rng: random.Random, diff: ArithmeticDifficulty) -> dict:
     }
 
 
+def slipped_solution(solution: str, rng: random.Random) -> str:
+    """``a op b = c / #### c`` with ``c`` replaced by a near miss (never negative)."""
+    head, c = solution.split("\n")[0].rsplit(" = ", 1)
+    wrong = int(c) + rng.choice([d for d in (-2, -1, 1, 2) if int(c) + d >= 0])
+    return f"{head} = {wrong}\n#### {wrong}"
+
+
 def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = ArithmeticDifficulty()) -> list[dict]:
     """``n`` problems of ``split`` ("train" or "heldout"), deterministic in ``seed``. Rows carry
     ``id``, ``prompt``, ``gold`` (the number after ``####``), ``solution`` and ``task``."""
@@ -92,5 +112,9 @@ def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = A
         p = make_problem(rng, diff)
         if _is_heldout(p.pop("key"), diff.heldout_fraction) != want_heldout:
             continue
+        # The slip draw has its own stream, so the problems do not depend on the slip rate.
+        slip = random.Random(f"{seed}:{split}:slip:{len(rows)}")
+        if split == "train" and slip.random() < diff.slip_rate:
+            p["solution"] = slipped_solution(p["solution"], slip)
         rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "task": "arith", **p})
     return rows

@@ -56,6 +56,9 @@ class DataConfig:
     """Embedded task: operands of + and - lie in [1, max_add]."""
     max_mul: int = 5
     """Embedded task: operands of * lie in [2, max_mul]."""
+    teacher_slip_rate: float = 0.65
+    """Embedded task: fraction of warm-start solutions with a slipped result (see
+    :class:`a3po.arithmetic.ArithmeticDifficulty`)."""
     max_prompt_tokens: int = 96
     on_bad_row: str = "error"
     """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""
@@ -65,13 +68,15 @@ class DataConfig:
             raise ValueError(f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
         if self.n_train < 1 or self.n_heldout < 1:
             raise ValueError("data.n_train and data.n_heldout must be >= 1")
+        if not 0.0 <= self.teacher_slip_rate < 1.0:
+            raise ValueError(f"data.teacher_slip_rate must be in [0, 1), got {self.teacher_slip_rate}")
 
 
 @dataclass(frozen=True)
 class WarmStartConfig:
     """Supervised warm start so RL begins from partial competence."""
 
-    steps: int = 200
+    steps: int = 400
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0

@@ -183,8 +183,9 @@ def rl_train(
     if warmstart_acc is None:
         ws_eval = evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
         warmstart_acc = ws_eval["eval/heldout_acc"]
-        eval_curve = [(0, warmstart_acc)]
         logger.log_metrics(ws_eval, 0)
+    if not eval_curve:
+        eval_curve = [(0, warmstart_acc)]
 
     # The producer samples from its own copy of the policy (the "inference engine").
     engine_model = type(policy)(policy.config)
