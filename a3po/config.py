@@ -93,6 +93,11 @@ class RLConfig:
     """Bound on how many versions the producer may run ahead (async variants; sync uses 0)."""
     lr: float = 1e-4
     lr_warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    """After the warm-up: 'constant', or 'cosine' decay to ``lr_min_ratio * lr`` at ``steps``.
+    The decay settles the policy for the final checkpoint: at a constant rate the tiny model's
+    held-out accuracy swings by up to 0.2 between checkpoints 25 steps apart."""
+    lr_min_ratio: float = 0.1
     minibatches: int = 4
     """Optimizer steps per training batch; the trust region acts across them."""
     eps_clip: float = 0.2
@@ -135,6 +140,10 @@ class RLConfig:
             raise ValueError("rl.top_p must be 1.0 for training (use rl.temperature); top-p is for evaluation")
         if self.lr <= 0 or self.lr_warmup_steps < 0:
             raise ValueError("rl.lr must be > 0 and rl.lr_warmup_steps >= 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"rl.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"rl.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if self.temperature <= 0:
             raise ValueError("rl.temperature must be > 0 (RL samples; greedy has no behaviour distribution)")
         if self.eval_samples < 1:

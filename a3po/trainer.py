@@ -7,6 +7,7 @@ differ only in the proximal method and the staleness bound, both resolved before
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -115,10 +116,15 @@ def train_step(
 
 
 def learning_rate(rl: RLConfig, step: int) -> float:
-    """Linear warm-up over ``rl.lr_warmup_steps`` steps, then constant. Adam's first updates
-    are sign-like (unit size per parameter whatever the gradient's noise); ramping the rate
-    keeps them from knocking a warm-started policy off what it has learned."""
-    return rl.lr * min(1.0, (step + 1) / max(1, rl.lr_warmup_steps))
+    """Linear warm-up over ``rl.lr_warmup_steps`` steps, then constant or cosine decay to
+    ``rl.lr_min_ratio * rl.lr`` at ``rl.steps``. Adam's first updates are sign-like (unit size per
+    parameter whatever the gradient's noise); ramping the rate keeps them from knocking a
+    warm-started policy off what it has learned. A function of the step, so resume needs no state."""
+    warm = min(1.0, (step + 1) / max(1, rl.lr_warmup_steps))
+    if rl.lr_schedule == "constant" or step < rl.lr_warmup_steps:
+        return rl.lr * warm
+    progress = min(1.0, (step - rl.lr_warmup_steps) / max(1, rl.steps - rl.lr_warmup_steps))
+    return rl.lr * (rl.lr_min_ratio + (1 - rl.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass
@@ -216,7 +222,7 @@ def rl_train(
             wait = time.perf_counter() - t0
             if scored.index != step:
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
-            for group in optimizer.param_groups:  # a function of the step, so resume needs no state
+            for group in optimizer.param_groups:
                 group["lr"] = learning_rate(rl, step)
             metrics = train_step(policy, optimizer, scored, step, rl, method)
             store.publish(step + 1, clone_state(policy))

@@ -167,3 +167,19 @@ def test_loglinear_on_fresh_batch_equals_recompute_over_several_minibatches(setu
     assert m_ll["policy/clip_frac"] == m_rc["policy/clip_frac"]
     for k in init:
         torch.testing.assert_close(w_ll[k], w_rc[k], rtol=0, atol=1e-4)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    from a3po.trainer import learning_rate
+
+    rl = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="cosine", lr_min_ratio=0.1)
+    lrs = [learning_rate(rl, s) for s in range(rl.steps)]
+    assert lrs[0] == pytest.approx(1e-5) and lrs[9] == pytest.approx(1e-4)  # linear warm-up
+    assert lrs[10] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # monotone decay after it
+    assert lrs[60] == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5))  # half way: the mean of peak and floor
+    assert learning_rate(rl, rl.steps) == pytest.approx(1e-5)  # the floor at the last step
+    constant = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="constant")
+    assert [learning_rate(constant, s) for s in (10, 60, 109)] == [1e-4] * 3
+    with pytest.raises(ValueError, match="lr_schedule"):
+        RLConfig(lr_schedule="linear")

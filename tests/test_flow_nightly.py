@@ -44,6 +44,7 @@ SETTING = {
     "warm_start": {"steps": 60, "batch_size": 32, "lr": 2e-2},
     # Pinned rather than taken from RLConfig's defaults, which are tuned for the tiny preset.
     "rl": {"steps": 24, "batch_prompts": 32, "group_size": 4, "minibatches": 2, "lr": 3e-3, "lr_warmup_steps": 0,
+           "lr_schedule": "constant",
            "temperature": 1.0, "eval_samples": 1, "max_new_tokens": 4, "eval_every": 24, "checkpoint_every": 24},
 }
 
