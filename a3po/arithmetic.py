@@ -66,7 +66,10 @@ def _is_heldout(key: str, fraction: float) -> bool:
     return (h % 10_000) < fraction * 10_000
 
 
-def make_problem(rng: random.Random, diff: ArithmeticDifficulty) -> dict:
+def make_problem(rng: random.Random, diff: ArithmeticDifficulty, slip: random.Random | None = None) -> dict:
+    """One problem drawn from ``rng``. With ``slip`` (a stream of its own, so the problem does not
+    depend on the slip rate) the worked solution is the careless teacher's: with probability
+    ``diff.slip_rate`` its result is off by 1 or 2 (never negative); the gold stays right."""
     t_idx = rng.randrange(len(TEMPLATES))
     template, op = TEMPLATES[t_idx]
     if op == "*":
@@ -81,19 +84,15 @@ def make_problem(rng: random.Random, diff: ArithmeticDifficulty) -> dict:
             c = a + b
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     question = template.format(name=name, pronoun=PRONOUN[name], item=item, a=a, b=b)
+    written = c
+    if slip is not None and slip.random() < diff.slip_rate:
+        written = c + slip.choice([d for d in (-2, -1, 1, 2) if c + d >= 0])
     return {
         "key": f"{t_idx}:{name}:{item}:{a}:{b}",
         "prompt": PROMPT_FORMAT.format(question=question),
-        "solution": f"{a} {op} {b} = {c}\n#### {c}",
+        "solution": f"{a} {op} {b} = {written}\n#### {written}",
         "gold": str(c),
     }
-
-
-def slipped_solution(solution: str, rng: random.Random) -> str:
-    """``a op b = c / #### c`` with ``c`` replaced by a near miss (never negative)."""
-    head, c = solution.split("\n")[0].rsplit(" = ", 1)
-    wrong = int(c) + rng.choice([d for d in (-2, -1, 1, 2) if int(c) + d >= 0])
-    return f"{head} = {wrong}\n#### {wrong}"
 
 
 def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = ArithmeticDifficulty()) -> list[dict]:
@@ -109,12 +108,9 @@ def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = A
         attempts += 1
         if attempts > 200 * (n + 10):
             raise RuntimeError(f"could not draw {n} {split} problems; widen the difficulty ranges")
-        p = make_problem(rng, diff)
+        slip = random.Random(f"{seed}:{split}:slip:{len(rows)}") if not want_heldout else None
+        p = make_problem(rng, diff, slip)
         if _is_heldout(p.pop("key"), diff.heldout_fraction) != want_heldout:
             continue
-        # The slip draw has its own stream, so the problems do not depend on the slip rate.
-        slip = random.Random(f"{seed}:{split}:slip:{len(rows)}")
-        if split == "train" and slip.random() < diff.slip_rate:
-            p["solution"] = slipped_solution(p["solution"], slip)
         rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "task": "arith", **p})
     return rows

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from a3po.arithmetic import ArithmeticDifficulty
+
 
 class Variant(str, Enum):
     """The three compared variants. They differ only in how the proximal log-probs are
@@ -52,11 +54,11 @@ class DataConfig:
     n_heldout: int = 200
     seed: int = 1234
     """Seed of the embedded task generator (independent of the training seed)."""
-    max_add: int = 9
+    max_add: int = ArithmeticDifficulty.max_add
     """Embedded task: operands of + and - lie in [1, max_add]."""
-    max_mul: int = 5
+    max_mul: int = ArithmeticDifficulty.max_mul
     """Embedded task: operands of * lie in [2, max_mul]."""
-    teacher_slip_rate: float = 0.65
+    teacher_slip_rate: float = ArithmeticDifficulty.slip_rate
     """Embedded task: fraction of warm-start solutions with a slipped result (see
     :class:`a3po.arithmetic.ArithmeticDifficulty`)."""
     max_prompt_tokens: int = 96

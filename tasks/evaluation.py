@@ -2,10 +2,11 @@
 are there, GSM8K / MATH500 / AIME24.
 
 The held-out figures are :func:`a3po.evaluate.evaluate_heldout` (the trainer's own measure:
-sampled mean@n at the training temperature, plus greedy pass@1, on the prepared held-out file); the benchmarks go through ``eval.runner.run_eval`` (the same
-rollout engine and grader). Benchmark files are looked up in ``data_dir``
-(``<data_dir>/<name>/test.jsonl``); the pipeline never needs them: a missing folder or file
-skips that benchmark and the reason is recorded (returned, and tagged on the MLflow run).
+sampled mean@n at the training temperature, plus greedy pass@1, on the prepared held-out
+file); the benchmarks go through ``eval.runner.run_eval`` (the same rollout engine and grader).
+Benchmark files are looked up in ``data_dir`` (``<data_dir>/<name>/test.jsonl``); the pipeline
+never needs them: a missing folder or file skips that benchmark and the reason is recorded
+(returned, and tagged on the MLflow run).
 
 Cached by a hash of the model files plus the evaluation settings: re-running a flow whose
 variants are already trained does not re-evaluate them.
