@@ -183,3 +183,19 @@ def test_registry_duplicate_name_raises_and_unknown_lists_valid():
         PROXIMAL_METHODS.register("loglinear")(object())
     with pytest.raises(ValueError, match="already registered"):
         ADVANTAGE_ESTIMATORS.register("grpo")(lambda r, g: r)
+
+
+# --- rewards -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_reward_raises_naming_the_row(monkeypatch, bad):
+    import eval.grading
+
+    from a3po.rewards import RewardError, score_completions
+
+    # A grader (or a custom reward) that returns a non-finite score for one completion.
+    monkeypatch.setattr(eval.grading, "score", lambda task, completion, gold: bad if completion == "boom" else 1.0)
+    assert score_completions("arith", ["ok"], ["1"], ["row-a"]) == [1.0]
+    with pytest.raises(RewardError, match=r"reward for row 'row-b' is not finite"):
+        score_completions("arith", ["ok", "boom"], ["1", "1"], ["row-a", "row-b"])
