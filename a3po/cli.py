@@ -12,11 +12,11 @@ from pathlib import Path
 
 
 def _train(argv: list[str]) -> int:
-    from a3po.config import Variant, merge_yaml, preset, with_overrides
+    from a3po.config import PRESETS, ConfigError, Variant, merge_yaml, preset, with_overrides
 
     ap = argparse.ArgumentParser(prog="a3po train", description="Train one variant (sync, recompute, loglinear) with async RL.")
     ap.add_argument("--variant", choices=[v.value for v in Variant], default="loglinear")
-    ap.add_argument("--preset", default="tiny", help="built-in preset: tiny (embedded default) or micro (seconds)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="built-in preset: tiny (embedded default) or micro (seconds)")
     ap.add_argument("--config", help="YAML TrainConfig; its values override the preset")
     ap.add_argument("--steps", type=int, help="RL steps (overrides the config)")
     ap.add_argument("--seed", type=int, default=None, help="RL seed (overrides the config)")
@@ -26,26 +26,36 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
+    # The config is built (and checked) before anything heavy is imported or written.
+    try:
+        cfg = preset(args.preset)
+        if args.config:
+            cfg = merge_yaml(cfg, args.config)
+        rl = {"variant": args.variant}
+        for key, val in (("steps", args.steps), ("seed", args.seed), ("max_staleness", args.max_staleness), ("schedule", args.schedule)):
+            if val is not None:
+                rl[key] = val
+        cfg = with_overrides(cfg, rl=rl)
+    except ConfigError as e:
+        print(f"a3po train: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
+
     from tqdm import tqdm
 
     from transformers.utils import logging as hf_logging
 
+    from a3po.data import BadRowError
     from a3po.metrics import JsonlLogger
     from a3po.pipeline import prepare_warmstart, train_variant
 
-    cfg = preset(args.preset)
-    if args.config:
-        cfg = merge_yaml(cfg, args.config)
-    rl = {"variant": args.variant}
-    for key, val in (("steps", args.steps), ("seed", args.seed), ("max_staleness", args.max_staleness), ("schedule", args.schedule)):
-        if val is not None:
-            rl[key] = val
-    cfg = with_overrides(cfg, rl=rl)
-    out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
     hf_logging.disable_progress_bar()
-
     t0 = time.perf_counter()
-    ws_dir, ws_acc = prepare_warmstart(cfg, out / "cache")
+    try:
+        ws_dir, ws_acc = prepare_warmstart(cfg, out / "cache")
+    except BadRowError as e:  # a dataset row named by file and line, read before any training
+        print(f"a3po train: error: {e}", file=sys.stderr)
+        return 2
     print(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
     run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
     bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress, dynamic_ncols=True)

@@ -1,8 +1,8 @@
 """Prompt datasets for RL: the embedded arithmetic task or JSONL files of {id, prompt, gold}.
 
-Bad rows never reach training silently: an empty or malformed row, or a prompt longer than
-the context budget, raises an error naming the source and the row, or (``on_bad_row='skip'``)
-is dropped and counted in :class:`DatasetReport`.
+Bad rows never reach training silently: an empty, malformed or undecodable (not UTF-8) row, or
+a prompt longer than the context budget, raises an error naming the source and the row, or
+(``on_bad_row='skip'``) is dropped and counted in :class:`DatasetReport`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from a3po.arithmetic import ArithmeticDifficulty, generate_split
 from a3po.config import DataConfig
+from a3po.utf8_lines import utf8_lines
 
 
 class BadRowError(ValueError):
@@ -34,11 +35,12 @@ REQUIRED_FIELDS = ("prompt", "gold")
 
 
 def read_jsonl(path: str | Path, on_bad_row: str = "error") -> list[dict]:
-    """Rows of a JSONL file; a line that is not a JSON object raises naming file and line, or
-    (``on_bad_row='skip'``) becomes a row carrying ``_error`` that :func:`validate_rows` counts."""
+    """Rows of a JSONL file; a line that is not UTF-8 or not a JSON object raises naming file and
+    line, or (``on_bad_row='skip'``) becomes a row carrying ``_error`` that :func:`validate_rows`
+    counts."""
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    for lineno, line, problem in utf8_lines(path):  # each line decoded on its own: bad bytes name their row
+        if line is not None:
             if not line.strip():
                 continue
             try:
@@ -46,12 +48,12 @@ def read_jsonl(path: str | Path, on_bad_row: str = "error") -> list[dict]:
                 problem = None if isinstance(row, dict) else f"expected a JSON object, got {type(row).__name__}"
             except json.JSONDecodeError as e:
                 problem = f"not valid JSON ({e.msg})"
-            if problem is not None:
-                if on_bad_row == "error":
-                    raise BadRowError(f"{path}: row {lineno}: {problem}")
-                row = {"_error": problem}
-            row.setdefault("_row", lineno)
-            rows.append(row)
+        if problem is not None:
+            if on_bad_row == "error":
+                raise BadRowError(f"{path}: row {lineno}: {problem}")
+            row = {"_error": problem}
+        row.setdefault("_row", lineno)
+        rows.append(row)
     return rows
 
 

@@ -14,8 +14,9 @@ Sources (``load_benchmark(name, source)``):
 
 Field names are matched case-insensitively (the AIME hub copy says ``Problem``/``Answer``, the
 local copy ``problem``/``answer``). A row without a required field raises ``SchemaError``
-naming the file, the 1-based row number and the field. The embedded arithmetic task is here too
-(``arith``: held-out problems generated in code, no file needed).
+naming the file, the 1-based row number and the field; so does a line that is not UTF-8 (with
+its byte offset). The embedded arithmetic task is here too (``arith``: held-out problems
+generated in code, no file needed).
 
 Shipped fixtures (``eval/fixtures/<name>.jsonl``, a few hand-written rows per format) keep the
 tests and the ``--data-dir`` examples independent of any external copy.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from a3po.registry import Registry
+from a3po.utf8_lines import undecodable, utf8_lines
 
 FIXTURES_DIR = Path(__file__).with_name("fixtures")
 
@@ -126,22 +128,32 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield i, row
         return
-    with path.open(encoding="utf-8") as f:
-        if suffix == ".json":
-            data = json.load(f)
-            rows = data.get("data", data.get("rows")) if isinstance(data, dict) else data
-            if not isinstance(rows, list):
-                raise SchemaError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
-            for i, row in enumerate(rows, start=1):
-                yield i, row
-            return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SchemaError(f"{path}: row {lineno}: invalid JSON ({e.msg})") from None
+    if suffix == ".json":
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")  # a byte-order mark is fine
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise SchemaError(f"{path}: line {line}: {undecodable(e)}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+        rows = data.get("data", data.get("rows")) if isinstance(data, dict) else data
+        if not isinstance(rows, list):
+            raise SchemaError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
+        for i, row in enumerate(rows, start=1):
+            yield i, row
+        return
+    for lineno, line, problem in utf8_lines(path):  # each line decoded on its own: bad bytes name their row
+        if problem is not None:
+            raise SchemaError(f"{path}: row {lineno}: {problem}")
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{path}: row {lineno}: invalid JSON ({e.msg})") from None
 
 
 def _get(row: dict, name: str) -> Any:

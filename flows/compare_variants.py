@@ -29,14 +29,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
-from a3po.config import TrainConfig, Variant, config_to_dict, merge_yaml, preset as load_preset, with_overrides
+from a3po.config import PRESETS, ConfigError, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
@@ -238,33 +238,39 @@ def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, An
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set expects [variant:]section.field=value, got {item!r}")
+            _usage_error(f"--set expects [variant:]section.field=value, got {item!r}")
         variant, _, dotted = key.rpartition(":")
         section, _, field = dotted.partition(".")
         value = _scalar(raw)
         if not field:  # a top-level field, e.g. torch_threads=2
             if variant:
-                raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
+                _usage_error(f"--set {item!r}: per-variant overrides are rl fields only")
             overrides[section] = value
             continue
         if variant:
             if section != "rl":
-                raise SystemExit(f"--set {item!r}: per-variant overrides are rl fields only")
-            per_variant.setdefault(Variant(variant).value, {})[field] = value
+                _usage_error(f"--set {item!r}: per-variant overrides are rl fields only")
+            if variant not in DEFAULT_VARIANTS:
+                _usage_error(f"--set {item!r}: unknown variant {variant!r}; valid: {', '.join(DEFAULT_VARIANTS)}")
+            per_variant.setdefault(variant, {})[field] = value
         else:
             overrides.setdefault(section, {})[field] = value
     return overrides, per_variant
 
 
 def _scalar(raw: str) -> Any:
-    """YAML scalar, except that ``1e-3`` is a float (YAML 1.1 would keep it a string)."""
-    value = yaml.safe_load(raw)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
+    """The value as a YAML config file would read it (``1e-3`` is a float there too); the
+    config builder then checks it against its field like a file's."""
+    try:
+        return load_yaml(raw)
+    except yaml.YAMLError:
+        return raw  # not YAML (e.g. '[1'): the text itself, for the field's check to judge
+
+
+def _usage_error(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, as argparse does for a bad option."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _csv(s: str, cast=str) -> list:
@@ -273,7 +279,7 @@ def _csv(s: str, cast=str) -> list:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flows.compare_variants", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", help="tiny (learns in minutes on CPU) or micro (seconds; nothing learns)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="tiny (learns in minutes on CPU) or micro (seconds; nothing learns)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of sync,recompute,loglinear")
     ap.add_argument("--seeds", default="0", help="comma-separated RL seeds, e.g. 0,1,2")
     ap.add_argument("--steps", type=int, help="RL steps per run (rl.steps)")
@@ -311,9 +317,23 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def check_configs(kwargs: dict[str, Any]) -> None:
+    """Build the config of every variant now, so a bad value (file, --set, option) fails in one
+    line before any server starts (the flow builds them again, as its parameters say)."""
+    keys = ("preset", "config", "model", "dataset", "task", "steps", "max_staleness", "checkpoint_every", "overrides", "torch_threads")
+    base = build_config(**{k: kwargs[k] for k in keys})
+    for variant in kwargs["variants"]:
+        variant_config(base, variant, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kwargs = kwargs_from_args(args)
+    try:
+        check_configs(kwargs)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with prefect_api() as api:
         result = compare_variants(**kwargs)
     print("\n" + result["summary"]["table_md"])
