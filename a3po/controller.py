@@ -20,11 +20,12 @@ import random
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from a3po.rewards import grader_counts
 from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 
@@ -125,6 +126,7 @@ class ScoredBatch:
     rewards: torch.Tensor  # (N,)
     completions: list[str]
     gen_time_s: float
+    grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
 
 
 class ProducerFailed(RuntimeError):
@@ -192,8 +194,9 @@ class RolloutProducer(threading.Thread):
                 gen = torch.Generator().manual_seed(batch_seed(self.seed, j))
                 rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
                 completions = [self.decode(r) for r in rollout.responses]
-                rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32)
-                self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0))
+                with grader_counts() as grader:
+                    rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32)
+                self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0, grader))
                 self.next_index = j + 1
         except Stopped:
             pass

@@ -19,6 +19,13 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 ``perf/tokens_per_s``       generated tokens trained per second of step wall time
 ``response/length_mean``    generated tokens per sample
 ``eval/heldout_acc``        greedy accuracy on the held-out split
+``grader/calls``            completions graded for this step's batch (counts, per batch)
+``grader/fast``             ... decided by the exact plain-number compare
+``grader/math_verify``      ... sent to the math-verify worker
+``grader/timeouts``         ... whose math-verify comparison hit the timeout (scored 0)
+``grader/worker_errors``    ... math-verify could not decide (evaluator error; scored 0)
+``grader/no_answer``        ... with no final answer found (scored 0)
+``grader/too_long``         ... whose answer exceeded the grader's length bound (scored 0)
 ==========================  ===============================================================
 """
 

@@ -23,7 +23,7 @@ from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
-from a3po.rewards import score_completions
+from a3po.rewards import check_grader, score_completions
 from a3po.rollout import RolloutEngine, SamplingParams
 
 
@@ -110,6 +110,7 @@ def train_step(
             "perf/tokens_per_s": n_tokens / step_time,
             "response/length_mean": n_tokens / n,
             "response/truncated_frac": 1.0 - batch.finished.float().mean().item(),
+            **{f"grader/{k}": float(v) for k, v in scored.grader.items()},
         }
     )
     return metrics
@@ -173,6 +174,7 @@ def rl_train(
     history: list[dict[str, float]] = []
     eval_curve: list[tuple[int, float]] = []
     start, train_wall, resumed_from = 0, 0.0, None
+    check_grader(cfg.data.task)  # a grader that cannot start fails the run now, not as zero rewards
 
     ckpt = latest_checkpoint(ckpt_dir) if ckpt_dir else None
     if ckpt is not None:

@@ -61,13 +61,14 @@ def key_figures(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model": results["model"]}
     for bench, metrics in results["benchmarks"].items():
         for k, v in metrics.items():
-            if k.startswith(("pass@", "mean@")) or k in ("n_problems", "grading_timeouts"):
+            if k.startswith(("pass@", "mean@")) or k in ("n_problems", "grading_timeouts", "grading_errors"):
                 out[f"{bench}/{k}"] = v
     for bench, metrics in results.get("lm_eval", {}).items():
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and "stderr" not in k and k != "sample_len":
                 out[f"lm_eval/{bench}/{k}"] = v
     out["grading/timeouts"] = results.get("grading", {}).get("timeouts", 0)
+    out["grading/errors"] = results.get("grading", {}).get("errors", 0)
     if "paths" in results:
         out["results"] = results["paths"]["results"]
     return out

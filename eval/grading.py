@@ -18,20 +18,28 @@ Answers longer than ``max_answer_chars`` score 0 without parsing (no benchmark a
 that long; it keeps pathological completions from occupying the worker).
 
 Counters (``stats()``) are per process: calls, fast-path decisions, math-verify calls, timeouts,
-worker errors, answers not found, answers too long.
+worker errors, answers not found, answers too long; ``counting()`` collects the same counters
+for one block of one thread (the RL trainer logs them per step as ``grader/*``).
+
+A worker that cannot start (no math-verify for its interpreter, or an evaluator that fails its
+self-check, e.g. under too small a ``memory_limit_mb``) scores 0 and counts as a worker error for
+benchmark evaluation; with ``strict=True`` (RL rewards) it raises :class:`GraderUnavailable`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 from a3po.registry import Registry
 from eval.answers import extract_answer, hash_answer, plain_number
+from eval.verifier import GraderUnavailable  # noqa: F401 - callers catch it from here
 
 Method = Literal["boxed", "hash", "answer_is", "last_number", "none"]
 GradePath = Literal["fast", "math_verify", "skipped"]
@@ -46,7 +54,10 @@ class GradingConfig:
     max_answer_chars: int = 1000
     """Extracted answers longer than this score 0 without being parsed."""
     memory_limit_mb: int = 2048
-    """Address-space limit of the math-verify evaluator process (0 = none)."""
+    """Address-space limit of the math-verify evaluator process (0 = none). Too small a limit
+    makes the worker fail its start-up self-check (:class:`GraderUnavailable`)."""
+    worker_python: str = ""
+    """Interpreter that runs the math-verify worker (it needs math-verify); empty = this one."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -66,6 +77,11 @@ class GradeResult:
     gold: str  # the normalised gold it was compared with
     timed_out: bool = False
     error: str | None = None  # why a comparison failed (worker error, answer too long, ...)
+
+    @property
+    def worker_error(self) -> bool:
+        """math-verify could not decide (worker unavailable, evaluator error), not a timeout."""
+        return self.path == "math_verify" and self.error is not None and not self.timed_out
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,7 @@ _verifier = None  # eval.verifier.Verifier, created on the first symbolic compar
 _state_lock = threading.Lock()
 _COUNTERS = ("calls", "fast", "math_verify", "timeouts", "errors", "no_answer", "too_long")
 _counts = dict.fromkeys(_COUNTERS, 0)
+_local = threading.local()  # .collectors: the counters of this thread's open ``counting()`` blocks
 
 
 def _reset_lock_after_fork() -> None:
@@ -147,9 +164,24 @@ def reset_stats() -> None:
             _counts[k] = 0
 
 
+@contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """The counters of ``stats()`` for the grading done by this thread inside the block (other
+    threads grading at the same time, e.g. a held-out evaluation, are not in it). Nests."""
+    counts = dict.fromkeys(_COUNTERS, 0)
+    stack = _local.__dict__.setdefault("collectors", [])
+    stack.append(counts)
+    try:
+        yield counts
+    finally:
+        stack.remove(counts)
+
+
 def _count(key: str) -> None:
     with _state_lock:
         _counts[key] += 1
+    for counts in getattr(_local, "collectors", ()):
+        counts[key] += 1
 
 
 def _get_verifier():
@@ -159,16 +191,23 @@ def _get_verifier():
             if _verifier is None:
                 from eval.verifier import Verifier
 
-                _verifier = Verifier(memory_limit_mb=_config.memory_limit_mb)
-    elif _verifier.memory_limit_mb != _config.memory_limit_mb:
+                _verifier = Verifier(memory_limit_mb=_config.memory_limit_mb, python=_config.worker_python)
+    elif (_verifier.memory_limit_mb, _verifier.python) != (_config.memory_limit_mb, _config.worker_python or sys.executable):
         _verifier.memory_limit_mb = _config.memory_limit_mb
-        _verifier.close()  # restarts with the new limit on next use
+        _verifier.python = _config.worker_python or sys.executable
+        _verifier.close()  # restarts with the new settings on next use
     return _verifier
 
 
 def warmup() -> None:
-    """Start the math-verify worker now rather than on the first symbolic comparison (~1 s)."""
+    """Start the math-verify worker now rather than on the first symbolic comparison (~1 s).
+    Raises :class:`GraderUnavailable` (naming the reason) when it cannot start."""
     _get_verifier().start()
+
+
+def needs_worker(task: str) -> bool:
+    """Whether ``task``'s answers can need math-verify (a non-numeric answer or gold)."""
+    return TASKS.get(task).symbolic
 
 
 def shutdown() -> None:
@@ -188,8 +227,10 @@ def _gold(task: str, gold: str) -> tuple[TaskSpec, str, int | Fraction | None]:
     return spec, gold_n, plain_number(gold_n)
 
 
-def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = None) -> GradeResult:
-    """Grade one completion against one gold answer (see the module docstring for the steps)."""
+def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = None, strict: bool = False) -> GradeResult:
+    """Grade one completion against one gold answer (see the module docstring for the steps).
+    ``strict``: raise :class:`GraderUnavailable` when the math-verify worker cannot start,
+    instead of scoring 0 (RL rewards must not train on a broken grader's zeros)."""
     spec, gold_n, gold_v = _gold(task, gold)
     _count("calls")
     answer, method = extract_answer(completion)
@@ -213,8 +254,10 @@ def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = No
     _count("math_verify")
     try:
         out = _get_verifier().check(gold_n, answer, timeout_s if timeout_s is not None else _config.timeout_s)
-    except RuntimeError as e:  # the worker could not start: score 0, count it, never crash a trainer
+    except GraderUnavailable as e:  # counted either way; benchmark evaluation scores 0 and reports it
         _count("errors")
+        if strict:
+            raise
         return GradeResult(0.0, answer, method, "math_verify", gold_n, error=f"worker unavailable: {e}")
     if out.timed_out:
         _count("timeouts")

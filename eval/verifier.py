@@ -29,6 +29,11 @@ _WORKER_SCRIPT = Path(__file__).with_name("verify_worker.py")
 _LAUNCH = "import runpy, sys; sys.path.pop(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
+class GraderUnavailable(RuntimeError):
+    """The math-verify worker cannot work (it did not start, or failed its self-check); the
+    message says why. RL rewards raise it rather than train on zeros."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     equal: bool
@@ -39,8 +44,11 @@ class Outcome:
 class Verifier:
     """A lazily started math-verify supervisor; ``check`` is thread-safe and always bounded."""
 
-    def __init__(self, memory_limit_mb: int = 2048, startup_timeout_s: float = 120.0, grace_s: float = 5.0) -> None:
+    def __init__(
+        self, memory_limit_mb: int = 2048, startup_timeout_s: float = 120.0, grace_s: float = 5.0, python: str = ""
+    ) -> None:
         self.memory_limit_mb = memory_limit_mb
+        self.python = python or sys.executable  # the interpreter that runs the worker (needs math-verify)
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
         self.starts = 0  # supervisor processes started (restarts included)
@@ -65,26 +73,37 @@ class Verifier:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._kill()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, str(_WORKER_SCRIPT), str(self.memory_limit_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            start_new_session=True,  # its own process group, so one killpg also ends the evaluator child
-            close_fds=True,
-        )
+        cmd = [self.python, "-c", _LAUNCH, str(_WORKER_SCRIPT), str(self.memory_limit_mb)]
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                start_new_session=True,  # its own process group, so one killpg also ends the evaluator child
+                close_fds=True,
+            )
+        except OSError as e:
+            raise GraderUnavailable(f"math-verify worker could not be run with {self.python}: {e}") from e
         self.starts += 1
         try:
             ready = read_frame(proc.stdout.fileno(), time.monotonic() + self.startup_timeout_s)
+            why = None
         except TimeoutError:
-            ready = None
+            ready, why = None, f"it did not answer within {self.startup_timeout_s:.0f}s"
         if not ready or not ready.get("ready"):
+            if ready is None and why is None:
+                try:  # EOF: let it finish exiting, so its own exit code is reported
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
             self._proc = proc
             self._kill()
-            raise RuntimeError(
-                f"math-verify worker did not start within {self.startup_timeout_s:.0f}s "
-                f"({sys.executable} {_WORKER_SCRIPT}); is math-verify installed?"
-            )
+            if ready is not None:  # it ran, and said why it cannot work
+                why = ready.get("error") or "it reported that it is not ready"
+            elif why is None:  # EOF before the ready frame: it died (its traceback is on stderr)
+                why = f"it exited with code {proc.returncode} before it was ready; is math-verify installed for {self.python}?"
+            raise GraderUnavailable(f"math-verify worker did not start ({self.python} {_WORKER_SCRIPT}): {why}")
         self._proc = proc
         return proc
 

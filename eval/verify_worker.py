@@ -24,7 +24,8 @@ Each evaluator child also runs under an address-space limit, so a blow-up ends i
 
 Protocol: frames of a 4-byte big-endian length plus UTF-8 JSON. Requests ``{"g": gold, "p":
 prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None}``.
-The supervisor first sends ``{"ready": true}``. This file imports only the standard library
+The supervisor first checks its evaluator on ``1/2 == 0.5`` and sends ``{"ready": true}``, or
+``{"ready": false, "error": why}`` and exits. This file imports only the standard library
 and math-verify, and is started by path, so it works wherever the caller runs.
 """
 
@@ -69,14 +70,21 @@ def _parse_gold(gold: str) -> list:
     return _parse(gold)
 
 
+class GoldNotParsed(ValueError):
+    pass
+
+
 def equivalent(gold: str, pred: str) -> bool:
-    """True when math-verify finds ``pred`` equal to ``gold`` (both bare answers, not completions).
-    No timeout: call it only where something else can kill the process."""
+    """True when math-verify finds ``pred`` equal to ``gold`` (both bare answers, not completions);
+    raises ``GoldNotParsed`` when the gold cannot be read (a bad gold, or an evaluator short of
+    memory). No timeout: call it only where something else can kill the process."""
     from math_verify import verify
 
     g = _parse_gold(gold)
+    if not g:  # math-verify swallows its errors (MemoryError included): an unread gold decides nothing
+        raise GoldNotParsed(f"math-verify could not parse the gold {gold[:80]!r}")
     p = _parse(pred)
-    if not g or not p:
+    if not p:
         return False
     return bool(verify(g, p, timeout_seconds=None))
 
@@ -168,8 +176,28 @@ def _evaluate_forever(req_r: int, resp_w: int) -> None:
         try:
             reply = {"ok": equivalent(req["g"], req["p"]), "timeout": False, "err": None}
         except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, sympy internals
-            reply = {"ok": False, "timeout": False, "err": type(e).__name__}
+            err = str(e) if isinstance(e, GoldNotParsed) else type(e).__name__
+            reply = {"ok": False, "timeout": False, "err": err}
         write_frame(resp_w, reply)
+
+
+def _self_check(child: _Child, memory_limit_mb: int, timeout_s: float = 60.0) -> str | None:
+    """None when the evaluator, under its memory limit, finds 1/2 equal to 0.5; else why not.
+
+    Why: math-verify catches its own exceptions (a MemoryError included) and returns "not
+    equal", so an evaluator that cannot work would score every answer 0 without an error."""
+    try:
+        write_frame(child.req_w, {"g": "\\frac{1}{2}", "p": "0.5", "t": timeout_s})
+        reply = read_frame(child.resp_r, time.monotonic() + timeout_s)
+    except (TimeoutError, OSError):
+        reply = None
+    if reply is not None and reply.get("ok"):
+        return None
+    detail = "no reply" if reply is None else (reply.get("err") or "answered 'not equal'")
+    return (
+        f"the evaluator failed its self-check (1/2 == 0.5: {detail}) under a memory limit of "
+        f"{memory_limit_mb} MB (GradingConfig.memory_limit_mb; 0 = none)"
+    )
 
 
 def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
@@ -179,6 +207,11 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" is by design
     equivalent("1", "1")  # import latex2sympy, antlr and sympy before forking: children start warm
     child = _Child(memory_limit_mb, (in_fd, out_fd))
+    problem = _self_check(child, memory_limit_mb)
+    if problem is not None:
+        child.kill()
+        write_frame(out_fd, {"ready": False, "error": problem})
+        return
     write_frame(out_fd, {"ready": True, "pid": os.getpid()})
     try:
         while True:

@@ -7,6 +7,9 @@
 #   4. the comparison flow (micro preset, 1 variant, 4 steps) against both servers;
 #   5. checks: the runs are in MLflow (mlflow.search_runs over HTTP), rows are in PostgreSQL,
 #      the artifacts download, the parent run names a flow run the Prefect server knows;
+#   5b. credentials: no process's command line (`ps -eo args`) holds the PostgreSQL password, the
+#      MLflow server's environment neither, the password files are 0600, and the superuser cannot
+#      log in over TCP;
 #   6. the nightly deployment (cron 0 2 * * *) registered on the Prefect server, one run of it
 #      executed by a process worker (--run-once), its verdict tagged in MLflow
 #      (skip with A3PO_CI_SKIP_WORKER=1);
@@ -16,6 +19,7 @@
 #
 # Exits non-zero on any failure; the last line of output is one JSON object of key figures.
 set -euo pipefail
+umask 077
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 cd "$root"
@@ -25,7 +29,6 @@ t_start=$(date +%s)
 WORK=$(mktemp -d /tmp/a3po-team-ci.XXXXXX)
 chmod 755 "$WORK"
 PG_PORT=$(a3po_free_port); ML_PORT=$(a3po_free_port); PF_PORT=$(a3po_free_port)
-PG_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(12))')
 pgids=()
 
 cleanup() {
@@ -52,12 +55,18 @@ start_bg() {
 
 a3po_pg_ensure_installed
 a3po_ensure_psycopg2
-a3po_pg_start "$WORK/pgdata" "$PG_PORT" a3po "$PG_PASSWORD" mlflow
-PG_URI="postgresql+psycopg2://a3po:$PG_PASSWORD@127.0.0.1:$PG_PORT/mlflow"
+# The same credential path as infra/start_mlflow_postgres.sh: a generated password in the team
+# dir ($WORK here), a libpq password file, a store URI without password passed in the environment.
+PG_PASSWORD_FILE=$(a3po_pg_password_file "$WORK")
+a3po_pg_start "$WORK/pgdata" "$PG_PORT" a3po "$PG_PASSWORD_FILE" mlflow
+a3po_pgpass_write "$WORK/secrets/pgpass" "$PG_PORT" a3po "$PG_PASSWORD_FILE"
+export PGPASSFILE=$WORK/secrets/pgpass
 
 a3po_log "MLflow server on 127.0.0.1:$ML_PORT"
-start_bg "$WORK/mlflow.log" mlflow server --backend-store-uri "$PG_URI" --artifacts-destination "$WORK/artifacts" \
-  --host 127.0.0.1 --port "$ML_PORT" --workers 1
+MLFLOW_BACKEND_STORE_URI=$(a3po_pg_uri a3po "$PG_PORT" mlflow)
+export MLFLOW_BACKEND_STORE_URI  # mlflow server reads it for --backend-store-uri
+start_bg "$WORK/mlflow.log" mlflow server --artifacts-destination "$WORK/artifacts" --host 127.0.0.1 --port "$ML_PORT" --workers 1
+unset MLFLOW_BACKEND_STORE_URI
 a3po_log "Prefect server on 127.0.0.1:$PF_PORT"
 start_bg "$WORK/prefect.log" env PREFECT_HOME="$WORK/prefect-server" A3PO_PREFECT_PORT="$PF_PORT" "$here/start_prefect_server.sh"
 a3po_wait_http "http://127.0.0.1:$ML_PORT/health" 180
@@ -98,9 +107,29 @@ with get_client(sync_client=True) as pc:
     assert fr.state.is_completed(), fr.state
 print(json.dumps({"mlflow_runs": len(runs), "prefect_flow_run": str(fr.id)}))
 EOF
-n_pg=$(PGPASSWORD="$PG_PASSWORD" "$(a3po_pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U a3po -d mlflow -qtA \
+n_pg=$("$(a3po_pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U a3po -d mlflow -qtA \
   -c "select count(*) from runs r join experiments e on r.experiment_id = e.experiment_id where e.name = 'ci-team-mode'")
 [ "$n_pg" = 2 ] || { a3po_log "expected 2 runs in PostgreSQL, found $n_pg"; exit 1; }
+
+a3po_log "checking credentials while the servers run"
+# grep -f reads the password from the file: the check itself puts no secret on a command line.
+n_procs=$(ps -eo args | wc -l)
+if ps -eo args | grep -qF -f "$PG_PASSWORD_FILE"; then
+  a3po_log "the PostgreSQL password appears on a command line (ps -eo args)"; exit 1
+fi
+for pg in "${pgids[@]}"; do
+  for pid in $(pgrep -g "$pg"); do
+    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qF -f "$PG_PASSWORD_FILE"; then
+      a3po_log "the PostgreSQL password is in the environment of process $pid"; exit 1
+    fi
+  done
+done
+for f in "$PG_PASSWORD_FILE" "$PGPASSFILE"; do
+  [ "$(stat -c %a "$f")" = 600 ] || { a3po_log "$f has mode $(stat -c %a "$f"), expected 600"; exit 1; }
+done
+if env -u PGPASSWORD PGPASSFILE=/dev/null "$(a3po_pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -w -qtA -c "select 1" >/dev/null 2>&1; then
+  a3po_log "the PostgreSQL superuser can log in over TCP without a password"; exit 1
+fi
 
 worker_s=0; nightly="skipped"
 if [ "${A3PO_CI_SKIP_WORKER:-0}" != 1 ]; then
@@ -129,4 +158,4 @@ fi
 
 total_s=$(( $(date +%s) - t_start ))
 a3po_log "team mode OK"
-echo "{\"team_mode\": \"ok\", \"postgres_runs\": $n_pg, \"flow_s\": $flow_s, \"nightly_via_worker\": \"$nightly\", \"worker_s\": $worker_s, \"total_s\": $total_s}"
+echo "{\"team_mode\": \"ok\", \"postgres_runs\": $n_pg, \"password_in_ps\": false, \"processes_checked\": $n_procs, \"flow_s\": $flow_s, \"nightly_via_worker\": \"$nightly\", \"worker_s\": $worker_s, \"total_s\": $total_s}"

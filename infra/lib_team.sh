@@ -35,32 +35,89 @@ a3po_as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
-# a3po_pg_start DATA_DIR PORT USER PASSWORD DB
-# Initialise the cluster if needed (password auth on TCP, loopback only), start it, create the
-# role and database if missing.
+# ---------------------------------------------------------------- credentials
+# No default passwords, no secrets on command lines (`ps -eo args` shows every process's argv):
+# - the application role's password is generated once per install into TEAM_DIR/secrets/pg_password
+#   (0600, in a 0700 folder) and reused on later starts; A3PO_PG_PASSWORD_FILE names your own file;
+# - clients read it through a libpq password file (PGPASSFILE), never from a URI or an argument;
+# - the PostgreSQL superuser has no password at all: admin work goes over the unix socket, in the
+#   0700 data folder, so only this OS user (and root) can reach it.
+
+# a3po_pg_password_file TEAM_DIR: print the path of the role's password file, creating it if needed.
+a3po_pg_password_file() {
+  local team=$1 file
+  if [ -n "${A3PO_PG_PASSWORD:-}" ]; then
+    a3po_log "A3PO_PG_PASSWORD is no longer read (an environment default leaks into shells and logs);"
+    a3po_log "put the password in a file (chmod 600) and set A3PO_PG_PASSWORD_FILE to its path"
+    return 1
+  fi
+  if [ -n "${A3PO_PG_PASSWORD_FILE:-}" ]; then
+    file=$A3PO_PG_PASSWORD_FILE
+    [ -s "$file" ] || { a3po_log "A3PO_PG_PASSWORD_FILE=$file: missing or empty"; return 1; }
+    if [ -n "$(find "$file" -perm /077 2>/dev/null)" ]; then
+      a3po_log "A3PO_PG_PASSWORD_FILE=$file is readable by others: chmod 600 it"; return 1
+    fi
+    echo "$file"; return 0
+  fi
+  file=$team/secrets/pg_password
+  if [ ! -s "$file" ]; then
+    (umask 077 && mkdir -p "$team/secrets" && chmod 700 "$team/secrets" \
+      && python3 -c 'import secrets; print(secrets.token_urlsafe(24))' >"$file.tmp" && mv "$file.tmp" "$file")
+    a3po_log "generated the PostgreSQL password for this install: $file"
+  fi
+  echo "$file"
+}
+
+# a3po_pgpass_write PGPASS_FILE PORT USER PASSWORD_FILE: a libpq password file (0600) for USER on
+# 127.0.0.1:PORT (any database), so clients connect with a URI that holds no password
+# (export PGPASSFILE=...; psycopg2 and asyncpg read it).
+a3po_pgpass_write() {
+  local out=$1 port=$2 user=$3 pw
+  pw=$(head -n1 "$4")
+  # libpq's format: host:port:db:user:password, with ':' and '\' escaped by a backslash.
+  local esc_pw=${pw//\\/\\\\}; esc_pw=${esc_pw//:/\\:}
+  local esc_user=${user//\\/\\\\}; esc_user=${esc_user//:/\\:}
+  (umask 077 && mkdir -p "$(dirname "$out")" && printf '%s\n' "127.0.0.1:$port:*:$esc_user:$esc_pw" >"$out.tmp" && mv "$out.tmp" "$out")
+}
+
+# a3po_pg_uri USER PORT DB: the SQLAlchemy URI of the store, without a password (libpq reads PGPASSFILE).
+a3po_pg_uri() {
+  python3 -c 'import sys, urllib.parse as u; q = lambda s: u.quote(s, safe=""); print(f"postgresql+psycopg2://{q(sys.argv[1])}@127.0.0.1:{sys.argv[2]}/{q(sys.argv[3])}")' "$1" "$2" "$3"
+}
+
+# a3po_pg_admin DATA_DIR PORT [psql args...]: psql as the superuser over the unix socket in the data
+# folder (trust, reachable only by this OS user); SQL on stdin.
+a3po_pg_admin() {
+  local data=$1 port=$2; shift 2
+  "$(a3po_pg_bin)/psql" -h "$data" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 -qtAX "$@"
+}
+
+# a3po_pg_start DATA_DIR PORT USER PASSWORD_FILE DB
+# Initialise the cluster if needed (password auth on TCP, loopback only; the superuser has no
+# password), start it, create or update the role (login, the file's password) and the database.
 a3po_pg_start() {
-  local data=$1 port=$2 user=$3 password=$4 db=$5 bin
+  local data=$1 port=$2 user=$3 pwfile=$4 db=$5 bin
   bin=$(a3po_pg_bin)
   mkdir -p "$data"
   if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$data"; fi
   chmod 700 "$data"
   if [ ! -f "$data/PG_VERSION" ]; then
     a3po_log "initdb $data"
-    local pw; pw=$(mktemp); echo "$password" >"$pw"
-    if [ "$(id -u)" = 0 ]; then chown postgres "$pw"; fi
-    a3po_as_pg "$bin/initdb" -D "$data" -U postgres --auth-local=trust --auth-host=scram-sha-256 --pwfile="$pw" >/dev/null
-    rm -f "$pw"
+    a3po_as_pg "$bin/initdb" -D "$data" -U postgres --auth-local=trust --auth-host=scram-sha-256 >/dev/null
   fi
   a3po_log "starting PostgreSQL on 127.0.0.1:$port"
   a3po_as_pg "$bin/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 \
-    -o "-c listen_addresses=127.0.0.1 -p $port -k $data" start >/dev/null
-  local psql=(env PGPASSWORD="$password" "$bin/psql" -h 127.0.0.1 -p "$port" -U postgres -v ON_ERROR_STOP=1 -qtA)
-  if [ "$("${psql[@]}" -c "select 1 from pg_roles where rolname='$user'")" != 1 ]; then
-    "${psql[@]}" -c "create role $user login password '$password'"
-  fi
-  if [ "$("${psql[@]}" -c "select 1 from pg_database where datname='$db'")" != 1 ]; then
-    "${psql[@]}" -c "create database $db owner $user"
-  fi
+    -o "-c listen_addresses=127.0.0.1 -p $port -k $data -c unix_socket_permissions=0700" start >/dev/null
+  # Names and the password travel as psql variables and are quoted by format(%I, %L): names or
+  # passwords with quotes work, and nothing is spliced into SQL. The password is read by psql
+  # itself from the file (a backtick command whose argv holds only the variable's name).
+  A3PO_PW_FILE=$pwfile a3po_pg_admin "$data" "$port" -v user="$user" -v db="$db" <<'SQL'
+\set pw `head -n1 "$A3PO_PW_FILE"`
+select format('alter role %I password null', current_user) \gexec
+select format('create role %I login', :'user') where not exists (select 1 from pg_roles where rolname = :'user') \gexec
+select format('alter role %I login password %L', :'user', :'pw') \gexec
+select format('create database %I owner %I', :'db', :'user') where not exists (select 1 from pg_database where datname = :'db') \gexec
+SQL
 }
 
 a3po_pg_stop() {

@@ -8,8 +8,10 @@
 # Then, for flows, workers and deployments:   export PREFECT_API_URL=http://<host>:<port>/api
 #
 # State: $PREFECT_HOME (default ./.a3po/team/prefect, SQLite). For PostgreSQL instead, set
-# A3PO_PREFECT_DB_URL=postgresql+asyncpg://user:password@127.0.0.1:5433/prefect (create that
-# database first; infra/start_mlflow_postgres.sh starts a suitable PostgreSQL).
+# A3PO_PREFECT_DB_URL=postgresql+asyncpg://a3po@127.0.0.1:5433/prefect and PGPASSFILE to the
+# team dir's secrets/pgpass (create that database first, owned by that role;
+# infra/start_mlflow_postgres.sh starts a suitable PostgreSQL). Keep passwords out of the URL:
+# asyncpg reads PGPASSFILE as libpq does.
 # Binds to 127.0.0.1 unless A3PO_HOST is set (the server has no authentication).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -195,7 +195,10 @@ def test_non_finite_reward_raises_naming_the_row(monkeypatch, bad):
     from a3po.rewards import RewardError, score_completions
 
     # A grader (or a custom reward) that returns a non-finite score for one completion.
-    monkeypatch.setattr(eval.grading, "score", lambda task, completion, gold: bad if completion == "boom" else 1.0)
+    monkeypatch.setattr(
+        eval.grading, "grade",
+        lambda task, completion, gold, **kw: eval.grading.GradeResult(bad if completion == "boom" else 1.0, None, "none", "skipped", gold),
+    )
     assert score_completions("arith", ["ok"], ["1"], ["row-a"]) == [1.0]
     with pytest.raises(RewardError, match=r"reward for row 'row-b' is not finite"):
         score_completions("arith", ["ok", "boom"], ["1", "1"], ["row-a", "row-b"])

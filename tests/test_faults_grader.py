@@ -1,0 +1,135 @@
+"""A broken grader fails an RL run loudly, and the grader's counters are logged per step.
+
+Real failures, no mocks: a worker interpreter that does not exist (the worker cannot start), and
+an evaluator memory limit so small that math-verify cannot work (it fails its self-check, or
+every comparison). Fraction golds (``3/4``) are not plain numbers, so the fast path cannot decide
+them and every extracted answer goes to math-verify (see ``eval.grading``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from a3po.arithmetic import WORDS
+from a3po.config import preset, with_overrides
+from a3po.data import load_rows
+from a3po.metrics import JsonlLogger
+from a3po.models import build_tiny_model
+from a3po.rewards import score_completions
+from a3po.trainer import rl_train
+from eval import grading
+from eval.grading import GraderUnavailable, GradingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+FRACTIONS = ["3/4", "1/2", "2/3", "5/4"]
+
+
+@pytest.fixture(autouse=True)
+def _default_grader_afterwards():
+    yield
+    grading.set_config(GradingConfig())
+    grading.shutdown()  # the next symbolic comparison starts a worker with the default settings
+
+
+def _fraction_rows(path: Path, n: int) -> Path:
+    """GSM8K-format rows whose golds are fractions; solutions for the warm start."""
+    with path.open("w") as f:
+        for i in range(n):
+            gold = FRACTIONS[i % len(FRACTIONS)]
+            f.write(json.dumps({"id": f"q{i}", "prompt": f"Question: Mia has {i} apples.\nAnswer: ", "gold": gold,
+                                "solution": f"Mia has {gold}\n#### {gold}"}) + "\n")
+    return path
+
+
+def _gsm8k_micro(tmp_path: Path, steps: int = 2):
+    return with_overrides(
+        preset("micro"),
+        data={"task": "gsm8k", "train_path": str(_fraction_rows(tmp_path / "train.jsonl", 16)),
+              "heldout_path": str(_fraction_rows(tmp_path / "heldout.jsonl", 4))},
+        rl={"steps": steps},
+    )
+
+
+def test_rl_run_whose_worker_cannot_start_exits_non_zero_naming_the_reason(tmp_path):
+    # The real command (`a3po train`: warm start, held-out scoring, RL) in a fresh process, with
+    # the worker's interpreter pointing at a file that does not exist.
+    cfg = _gsm8k_micro(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"data": {k: getattr(cfg.data, k) for k in ("task", "train_path", "heldout_path")}}))
+    missing = tmp_path / "no-such-python"
+    driver = (
+        "import sys; from eval import grading; "
+        f"grading.set_config(grading.GradingConfig(worker_python={str(missing)!r})); "
+        "from a3po.cli import main; "
+        f"sys.exit(main(['train', '--preset', 'micro', '--config', {str(tmp_path / 'cfg.yaml')!r}, '--steps', '2', "
+        f"'--no-progress', '--output-dir', {str(tmp_path / 'out')!r}]))"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", driver], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "GraderUnavailable" in proc.stderr, proc.stderr[-3000:]
+    assert f"math-verify worker could not be run with {missing}" in proc.stderr
+    assert "No such file or directory" in proc.stderr
+    assert not list((tmp_path / "out").glob("*/metrics.jsonl"))  # no step was trained on zeros
+
+
+def test_rl_train_checks_the_grader_before_the_first_step(tmp_path):
+    # In-process: rl_train raises before producing a batch, with the reason, and logs nothing.
+    cfg = _gsm8k_micro(tmp_path)
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    train, held, _ = load_rows(cfg.data, tok)
+    grading.set_config(GradingConfig(worker_python=str(tmp_path / "no-such-python")))
+    log = tmp_path / "metrics.jsonl"
+    with pytest.raises(GraderUnavailable, match="could not be run with .*no-such-python"):
+        rl_train(cfg, model, tok, train, held, warmstart_acc=0.0, logger=JsonlLogger(log))
+    assert not log.exists()
+
+
+def test_evaluator_that_cannot_work_under_its_memory_limit_raises_for_rewards():
+    # 1 MB of address space: depending on the allocator's state the evaluator either fails the
+    # worker's start-up self-check or dies on every comparison; rewards must raise either way.
+    grading.set_config(GradingConfig(memory_limit_mb=1))
+    answers = [f"#### {f}" for f in FRACTIONS]
+    with pytest.raises(GraderUnavailable, match="failed its self-check|every math-verify comparison of the batch failed"):
+        score_completions("gsm8k", answers, ["0.75", "0.5", "0.666", "1.25"], ["a", "b", "c", "d"])
+    # The same settings with no memory limit grade normally (3/4 = 0.75, 1/2 = 0.5, 5/4 = 1.25;
+    # 2/3 is not 0.666): the failure above is the limit's, not the inputs'.
+    grading.set_config(GradingConfig(memory_limit_mb=0))
+    assert score_completions("gsm8k", answers, ["0.75", "0.5", "0.666", "1.25"]) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_benchmark_grading_scores_zero_but_counts_the_unavailable_worker(tmp_path):
+    grading.set_config(GradingConfig(worker_python=str(tmp_path / "no-such-python")))
+    before = grading.stats()["errors"]
+    r = grading.grade("gsm8k", "#### 3/4", "0.75")  # not strict: a benchmark run keeps going
+    assert (r.score, r.path, r.worker_error) == (0.0, "math_verify", True)
+    assert "worker unavailable" in r.error and "no-such-python" in r.error
+    assert grading.stats()["errors"] == before + 1
+
+
+def test_micro_run_logs_the_grader_counters_per_step(tmp_path):
+    # A normal run with the real grader and worker: every step carries grader/* for its batch of
+    # batch_prompts * group_size = 4 * 2 = 8 completions, each decided by exactly one route.
+    cfg = _gsm8k_micro(tmp_path, steps=2)
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    train, held, _ = load_rows(cfg.data, tok)
+    res = rl_train(cfg, model, tok, train, held, warmstart_acc=0.0, logger=JsonlLogger(tmp_path / "metrics.jsonl"))
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2]
+    for h, m in zip(res.history, logged):
+        counts = {k: m[f"grader/{k}"] for k in
+                  ("calls", "fast", "math_verify", "timeouts", "worker_errors", "no_answer", "too_long")}
+        assert counts == {k: h[f"grader/{k}"] for k in counts}
+        assert counts["calls"] == 8
+        assert counts["fast"] + counts["math_verify"] + counts["no_answer"] + counts["too_long"] == 8
+        assert counts["fast"] == 0  # fraction golds: the plain-number compare never decides
+        assert counts["worker_errors"] == counts["timeouts"] == 0
+    # The random micro policy writes a number in some completions (1 of 8, then 4 of 8 with seed 0),
+    # so the math-verify route was counted, not only the "no answer" one.
+    assert sum(h["grader/math_verify"] for h in res.history) > 0
