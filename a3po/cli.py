@@ -30,6 +30,7 @@ def _train(argv: list[str]) -> int:
 
     from transformers.utils import logging as hf_logging
 
+    from a3po.checkpoint import CheckpointError
     from a3po.metrics import JsonlLogger
     from a3po.pipeline import prepare_warmstart, train_variant
 
@@ -57,7 +58,12 @@ def _train(argv: list[str]) -> int:
             post["acc"] = f"{m['eval/heldout_acc']:.3f}"
         bar.set_postfix(post, refresh=True)
 
-    result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
+    try:
+        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
+    except CheckpointError as e:  # damaged checkpoints: say which and why, without a traceback
+        bar.close()
+        print(f"a3po train: {e}", file=sys.stderr)
+        return 1
     bar.n = cfg.rl.steps
     bar.close()
     wall = time.perf_counter() - t0

@@ -21,7 +21,7 @@ from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBat
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
-from a3po.metrics import MetricLogger, NullLogger
+from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import score_completions
 from a3po.rollout import RolloutEngine, SamplingParams
@@ -139,6 +139,7 @@ class TrainResult:
     eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acc)
     checkpoint: str | None = None
     resumed_from: int | None = None
+    checkpoints_skipped: list[str] = field(default_factory=list)  # damaged ones passed over at resume, and why
 
     def summary(self) -> dict:
         return {
@@ -163,7 +164,9 @@ def rl_train(
     warmstart_acc: float | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
-    """RL-train ``policy`` in place; resumes from the latest checkpoint in ``ckpt_dir``."""
+    """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
+    (raises :class:`~a3po.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
+    intact) and rewinds ``logger`` to the checkpoint's step."""
     rl = cfg.rl
     logger = logger or NullLogger()
     s = effective_max_staleness(rl)
@@ -174,7 +177,8 @@ def rl_train(
     eval_curve: list[tuple[int, float]] = []
     start, train_wall, resumed_from = 0, 0.0, None
 
-    ckpt = latest_checkpoint(ckpt_dir) if ckpt_dir else None
+    skipped: list[str] = []
+    ckpt = latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
     if ckpt is not None:
         state = load_checkpoint(ckpt)
         policy.load_state_dict(state["policy"])
@@ -182,8 +186,9 @@ def rl_train(
         for v, w in sorted(state["weights_history"].items()):
             store.publish(v, w)
         start = resumed_from = state["step"]
-        history, eval_curve = state["history"], state["eval_curve"]
+        history, eval_curve = state["history"], [tuple(p) for p in state["eval_curve"]]  # JSON keeps lists
         train_wall, warmstart_acc = state["train_wall_s"], state["warmstart_acc"]
+    rewind_logger(logger, start, history)  # a file logger drops lines of steps after the checkpoint
     if store.latest < start:
         store.publish(start, clone_state(policy))
     if warmstart_acc is None:
@@ -271,4 +276,5 @@ def rl_train(
         eval_curve=eval_curve,
         checkpoint=last_ckpt,
         resumed_from=resumed_from,
+        checkpoints_skipped=skipped,
     )
