@@ -110,9 +110,30 @@ def _write_file(pending: Path, name: str, write) -> str:
     return sha256_file(path)
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_tensor_tree(obj: Any, where: str) -> None:
+    """Tensors and plain values in dicts / lists / tuples: what ``weights_only`` loads back.
+    Checked at save, so a run never writes a checkpoint it could not resume from."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; only str and int keys are saved")
+            _check_tensor_tree(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_tensor_tree(v, f"{where}[{i}]")
+    else:
+        raise TypeError(f"{where} is a {type(obj).__name__}; a tensor file holds only tensors and plain values")
+
+
 def write_tensor_file(pending: Path, name: str, obj: Any) -> str:
     """``torch.save(obj)`` as ``pending/name``; returns its sha256. ``obj`` must be tensors in
     plain containers (what ``torch.load(weights_only=True)`` accepts)."""
+    _check_tensor_tree(obj, name)
     return _write_file(pending, name, lambda f: torch.save(obj, f))
 
 
@@ -322,17 +343,15 @@ def checkpoint_candidates(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda sp: (sp[0], sp[1].is_dir()), reverse=True)
 
 
-def latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
-    """The newest intact step folder in ``ckpt_dir`` (every file matches the manifest), or None
-    when there is no checkpoint at all. Each newer one that is not intact is reported (why, and
-    which file) through a ``logging`` warning and ``on_skip``; when there are checkpoints but
-    none is intact, raises :class:`NoIntactCheckpoint` listing them."""
+def _newest_usable(ckpt_dir: str | Path, use: Callable[[Path], Any], on_skip: Callable[[str], None] | None) -> tuple[Path, Any] | None:
+    """``(path, use(path))`` for the newest candidate ``use`` accepts (it raises
+    :class:`CheckpointError` on the others, which are reported), None when there is none."""
     skipped: list[str] = []
     for _, path in checkpoint_candidates(ckpt_dir):
         try:
             if _OLD_STEP_FILE.match(path.name):
                 raise CheckpointError(_old_format_reason(path))
-            verify_checkpoint(path)
+            value = use(path)
         except CheckpointError as e:
             skipped.append(str(e))
             continue
@@ -341,10 +360,26 @@ def latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | Non
             log.warning(msg)
             if on_skip is not None:
                 on_skip(msg)
-        return path
+        return path, value
     if skipped:
         raise NoIntactCheckpoint(
             f"{ckpt_dir}: no intact checkpoint, so the run can neither resume nor start over without "
             f"overwriting them (move the folder away to start afresh):\n  " + "\n  ".join(skipped)
         )
     return None
+
+
+def latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact step folder in ``ckpt_dir`` (every file matches the manifest), or None
+    when there is no checkpoint at all. Each newer one that is not intact is reported (which
+    file, and why) through a ``logging`` warning and ``on_skip``; when there are checkpoints but
+    none is intact, raises :class:`NoIntactCheckpoint` listing them."""
+    found = _newest_usable(ckpt_dir, verify_checkpoint, on_skip)
+    return found[0] if found else None
+
+
+def load_latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """``(path, state)`` of the newest checkpoint that verifies *and* loads (a file whose hash
+    matches a tampered manifest but holds more than tensors is refused here and skipped), with
+    the reporting of :func:`latest_checkpoint`. Reads each file once."""
+    return _newest_usable(ckpt_dir, load_checkpoint, on_skip)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from a3po.advantages import ADVANTAGE_ESTIMATORS
-from a3po.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from a3po.checkpoint import load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
 from a3po.evaluate import evaluate_heldout
@@ -178,9 +178,10 @@ def rl_train(
     start, train_wall, resumed_from = 0, 0.0, None
 
     skipped: list[str] = []
-    ckpt = latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt)
+    found = load_latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
+    ckpt = found[0] if found else None
+    if found is not None:
+        state = found[1]
         policy.load_state_dict(state["policy"])
         optimizer.load_state_dict(state["optimizer"])
         for v, w in sorted(state["weights_history"].items()):
