@@ -14,10 +14,11 @@ Nothing is unpickled with code execution: tensor files go through ``torch.load(w
 after their hash matched, and single-file ``step_*.pt`` checkpoints of earlier versions are
 refused by name, never opened.
 
-Resume scans the step folders newest first (:func:`latest_checkpoint`); it does not trust a
-pointer. A damaged one is named with the reason and skipped (``logging`` warning + ``on_skip``);
-when checkpoints exist but none is intact it raises :class:`NoIntactCheckpoint` instead of
-letting the run start over from step 0 on top of them. ``latest`` is still written, as a hint
+Resume scans the step folders newest first (:func:`load_latest_checkpoint`, or
+:func:`latest_checkpoint` for the path alone); it does not trust a pointer. A damaged one is
+named with the reason and skipped (``logging`` warning + ``on_skip``); when checkpoints exist
+but none is intact it raises :class:`NoIntactCheckpoint` instead of letting the run start over
+from step 0 on top of them. ``latest`` is still written, as a hint
 for people and scripts; nothing reads it.
 
 Multi-process runs use the pieces: :func:`begin_step` (once), :func:`write_tensor_file` /
@@ -140,7 +141,7 @@ def write_tensor_file(pending: Path, name: str, obj: Any) -> str:
 def write_json_file(pending: Path, name: str, obj: Any) -> str:
     """``obj`` as JSON in ``pending/name``; returns its sha256 (floats round-trip exactly)."""
     try:
-        text = json.dumps(obj, sort_keys=True)
+        text = json.dumps(obj)  # key order kept: a rewound metrics file reads as it was logged
     except TypeError as e:
         raise TypeError(f"checkpoint file {name}: not JSON-serialisable: {e}") from None
     return _write_file(pending, name, lambda f: f.write(text.encode()))
