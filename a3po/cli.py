@@ -30,7 +30,6 @@ def _train(argv: list[str]) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from a3po.checkpoint import CheckpointError
     from a3po.metrics import JsonlLogger
     from a3po.pipeline import prepare_warmstart, train_variant
 
@@ -57,6 +56,8 @@ def _train(argv: list[str]) -> int:
         if "eval/heldout_acc" in m:
             post["acc"] = f"{m['eval/heldout_acc']:.3f}"
         bar.set_postfix(post, refresh=True)
+
+    from a3po.checkpoint import CheckpointError
 
     try:
         result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
