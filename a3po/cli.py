@@ -67,7 +67,14 @@ def _train(argv: list[str]) -> int:
             post["acc"] = f"{m['eval/heldout_acc']:.3f}"
         bar.set_postfix(post, refresh=True)
 
-    result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
+    from a3po.checkpoint import CheckpointError
+
+    try:
+        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
+    except CheckpointError as e:  # damaged checkpoints: say which and why, without a traceback
+        bar.close()
+        print(f"a3po train: {e}", file=sys.stderr)
+        return 1
     bar.n = cfg.rl.steps
     bar.close()
     wall = time.perf_counter() - t0

@@ -32,9 +32,12 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Protocol
+
+from a3po.atomic import atomic_write_bytes
 
 _VALID_KEY = re.compile(r"^[A-Za-z0-9_\-./ ]+$")
 
@@ -47,21 +50,98 @@ class MetricLogger(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
 
+def rewind_logger(logger: MetricLogger, step: int, history: list[dict[str, float]]) -> None:
+    """Tell ``logger`` the run continues after ``step`` with ``history`` (steps 1..step) as its
+    record. Loggers that keep their own copy of the steps (a file) implement ``rewind``; others
+    (MLflow's, which skips steps it already has) need nothing."""
+    rewind = getattr(logger, "rewind", None)
+    if rewind is not None:
+        rewind(step, history)
+
+
 class NullLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
 
+def _jsonl_line(step: int, metrics: dict[str, float]) -> bytes:
+    return (json.dumps({"step": step, **metrics}) + "\n").encode()
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a metrics JSONL file. A last line without its newline is torn (a process
+    killed mid-write) and dropped; a bad complete line is an error naming the file and line."""
+    path = Path(path)
+    complete, _, _torn = path.read_bytes().rpartition(b"\n")
+    rows = []
+    for i, raw in enumerate(complete.split(b"\n") if complete else []):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{path} line {i + 1}: not JSON: {e}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path} line {i + 1}: not an object with an integer 'step'")
+        rows.append(row)
+    return rows
+
+
 class JsonlLogger:
-    """Appends ``{"step": s, **metrics}`` per call; survives crashes line by line."""
+    """``{"step": s, **metrics}`` per line. Each line is one ``write`` on an append-only file
+    descriptor; a failed write (a full disk) is cut back so no partial line stays. A torn last
+    line left by a killed process is cut before the first new line is appended (or the file is
+    rewritten by :meth:`rewind`); until then the file is left as it is."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._repaired = False
+
+    def repair(self) -> None:
+        """Cut a last line that has no newline (a crash mid-write)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if not self._repaired:
+            self.repair()
+            self._repaired = True
+        line = _jsonl_line(step, metrics)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                if os.write(fd, line) != len(line):
+                    raise OSError(f"{self.path}: short write (disk full?)")
+            except OSError:
+                os.ftruncate(fd, size)  # no half line
+                raise
+        finally:
+            os.close(fd)
+
+    def rewind(self, step: int, history: list[dict[str, float]]) -> None:
+        """Rewrite the file atomically as: its step-0 lines (logged before the first RL step,
+        e.g. the warm-start evaluation), then one line per step of ``history``. A fresh start
+        (``step`` 0) keeps nothing: an attempt killed before its first checkpoint is redone."""
+        if len(history) != step:
+            raise ValueError(f"rewind to step {step} with {len(history)} history entries")
+        head: list[bytes] = []
+        if step > 0 and self.path.exists():
+            for raw in self.path.read_bytes().splitlines():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue  # replaced by the history below
+                if isinstance(row, dict) and row.get("step") == 0:
+                    head = [raw + b"\n"]  # once, the last one logged
+        body = [_jsonl_line(i + 1, h) for i, h in enumerate(history)]
+        atomic_write_bytes(self.path, lambda f: f.write(b"".join(head + body)))
+        self._repaired = True
 
 
 class FanoutLogger:
@@ -71,3 +151,7 @@ class FanoutLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for lg in self.loggers:
             lg.log_metrics(metrics, step)
+
+    def rewind(self, step: int, history: list[dict[str, float]]) -> None:
+        for lg in self.loggers:
+            rewind_logger(lg, step, history)

@@ -15,13 +15,13 @@ from typing import Callable
 import torch
 
 from a3po.advantages import ADVANTAGE_ESTIMATORS
-from a3po.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from a3po.checkpoint import load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
-from a3po.metrics import MetricLogger, NullLogger
+from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.rollout import RolloutEngine, SamplingParams
@@ -140,6 +140,7 @@ class TrainResult:
     eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acc)
     checkpoint: str | None = None
     resumed_from: int | None = None
+    checkpoints_skipped: list[str] = field(default_factory=list)  # damaged ones passed over at resume, and why
 
     def summary(self) -> dict:
         return {
@@ -164,7 +165,9 @@ def rl_train(
     warmstart_acc: float | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
-    """RL-train ``policy`` in place; resumes from the latest checkpoint in ``ckpt_dir``."""
+    """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
+    (raises :class:`~a3po.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
+    intact) and rewinds ``logger`` to the checkpoint's step."""
     rl = cfg.rl
     logger = logger or NullLogger()
     s = effective_max_staleness(rl)
@@ -176,16 +179,19 @@ def rl_train(
     start, train_wall, resumed_from = 0, 0.0, None
     check_grader(cfg.data.task)  # a grader that cannot start fails the run now, not as zero rewards
 
-    ckpt = latest_checkpoint(ckpt_dir) if ckpt_dir else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt)
+    skipped: list[str] = []
+    found = load_latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
+    ckpt = found[0] if found else None
+    if found is not None:
+        state = found[1]
         policy.load_state_dict(state["policy"])
         optimizer.load_state_dict(state["optimizer"])
         for v, w in sorted(state["weights_history"].items()):
             store.publish(v, w)
         start = resumed_from = state["step"]
-        history, eval_curve = state["history"], state["eval_curve"]
+        history, eval_curve = state["history"], [tuple(p) for p in state["eval_curve"]]  # JSON keeps lists
         train_wall, warmstart_acc = state["train_wall_s"], state["warmstart_acc"]
+    rewind_logger(logger, start, history)  # a file logger drops lines of steps after the checkpoint
     if store.latest < start:
         store.publish(start, clone_state(policy))
     if warmstart_acc is None:
@@ -273,4 +279,5 @@ def rl_train(
         eval_curve=eval_curve,
         checkpoint=last_ckpt,
         resumed_from=resumed_from,
+        checkpoints_skipped=skipped,
     )

@@ -173,6 +173,8 @@ def train_variant(
     tracking_s = getattr(logger, "seconds", 0.0)
     if result.resumed_from:
         log.info(f"{name}: resumed from the checkpoint at step {result.resumed_from}")
+    for skipped in result.checkpoints_skipped:
+        log.warning(f"{name}: {skipped}")
     history_path = rd / "history.jsonl"
     atomic_write_text(history_path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(result.history)))
     if run_id is not None:
@@ -186,6 +188,8 @@ def train_variant(
         }, step=steps)
         client.set_tag(run_id, "a3po.resumed_from", str(result.resumed_from or 0))
         client.set_tag(run_id, "a3po.backfilled_steps", str(backfilled))
+        if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
+            client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result.variant,
