@@ -412,6 +412,26 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return d
 
 
+# Fields that do not change what a run computes: a checkpoint may be resumed with others.
+RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ between two :func:`config_to_dict`
+    results (fields in :data:`RESUME_NEUTRAL_FIELDS` aside), e.g. ``["rl.lr", "rl.steps"]``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        dotted = f"{prefix}{key}"
+        if dotted in RESUME_NEUTRAL_FIELDS:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{dotted}.")
+        elif a != b:
+            out.append(dotted)
+    return out
+
+
 def with_overrides(cfg: TrainConfig, **sections: Any) -> TrainConfig:
     """Copy ``cfg`` replacing fields per section, e.g. ``with_overrides(cfg, rl={"steps": 5})``;
     checked like a file, errors start with 'overrides'."""

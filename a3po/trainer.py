@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from a3po.advantages import ADVANTAGE_ESTIMATORS
-from a3po.checkpoint import load_latest_checkpoint, save_checkpoint
-from a3po.config import RLConfig, TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
+from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
@@ -184,6 +184,12 @@ def rl_train(
     ckpt = found[0] if found else None
     if found is not None:
         state = found[1]
+        changed = config_differences(state["config"], config_to_dict(cfg))
+        if changed:  # resuming would splice two different runs into one history
+            raise CheckpointError(
+                f"{ckpt} was saved by a run with a different config ({', '.join(changed)} differ); "
+                f"resume it with the same config, or use another output dir (or delete {ckpt_dir} to start over)"
+            )
         policy.load_state_dict(state["policy"])
         optimizer.load_state_dict(state["optimizer"])
         for v, w in sorted(state["weights_history"].items()):

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a3po.checkpoint import NoIntactCheckpoint, load_checkpoint, save_checkpoint
+from a3po.checkpoint import CheckpointError, NoIntactCheckpoint, load_checkpoint, save_checkpoint
 from a3po.cli import main as cli_main
 from a3po.config import preset, with_overrides
 from a3po.metrics import JsonlLogger, read_metrics_jsonl
@@ -256,6 +256,17 @@ def test_old_single_file_checkpoints_are_refused_not_unpickled(runs, tmp_path):
     with pytest.raises(NoIntactCheckpoint, match=r"step_000004\.pt: single-file checkpoint of an earlier a3po version"):
         _train(run, ws)
     assert not marker.exists() and not (run / "final").exists()
+
+
+def test_a_checkpoint_of_another_config_is_not_resumed(run_copy):
+    # The CLI's run folder is <out>/<variant>-seed<seed>: a rerun with another lr must not splice
+    # its steps onto the old run's checkpoint; it stops naming the field, and writes nothing.
+    ws, _, _, run = run_copy
+    before = _tree_bytes(run)
+    other = with_overrides(_cfg(), rl={"lr": 3e-4})
+    with pytest.raises(CheckpointError, match=r"step_000006 was saved by a run with a different config \(rl\.lr differ\)"):
+        train_variant(other, run, ws[0], ws[1], logger=JsonlLogger(run / "metrics.jsonl"))
+    assert _tree_bytes(run) == before
 
 
 # --- metrics.jsonl ------------------------------------------------------------------------
