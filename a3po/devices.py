@@ -56,11 +56,6 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """``model`` moved to ``device`` and cast to ``dtype`` (in place; a no-op when already there)."""
-    return model.to(device=device, dtype=dtype)
-
-
 def autocast_for(model: torch.nn.Module):
     """bf16 autocast for a bf16 model on CUDA (matmuls in bf16; the ops autocast keeps in fp32,
     e.g. softmax and norms, in fp32); nothing otherwise. Log-probs are taken in fp32 whatever
