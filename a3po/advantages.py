@@ -28,7 +28,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     for g in torch.unique(group_ids):
         idx = group_ids == g
         r = rewards[idx]
-        std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+        std = r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(())
         adv[idx] = (r - r.mean()) / (std + eps)
     return adv
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 def _train(argv: list[str]) -> int:
     from a3po.config import PRESETS, ConfigError, Variant, merge_yaml, preset, with_overrides
+    from a3po.devices import Device, DType
 
     ap = argparse.ArgumentParser(prog="a3po train", description="Train one variant (sync, recompute, loglinear) with async RL.")
     ap.add_argument("--variant", choices=[v.value for v in Variant], default="loglinear")
@@ -22,6 +23,8 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=None, help="RL seed (overrides the config)")
     ap.add_argument("--max-staleness", type=int, default=None)
     ap.add_argument("--schedule", choices=["deterministic", "threaded"], default=None)
+    ap.add_argument("--device", choices=[d.value for d in Device], default=None, help="auto (cuda when available), cpu or cuda (overrides the config; default auto)")
+    ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="weight dtype (overrides the config; default float32)")
     ap.add_argument("--output-dir", default=None, help="default: runs/<preset>")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -35,7 +38,8 @@ def _train(argv: list[str]) -> int:
         for key, val in (("steps", args.steps), ("seed", args.seed), ("max_staleness", args.max_staleness), ("schedule", args.schedule)):
             if val is not None:
                 rl[key] = val
-        cfg = with_overrides(cfg, rl=rl)
+        runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
+        cfg = with_overrides(cfg, rl=rl, **runtime)
     except ConfigError as e:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2

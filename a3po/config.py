@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from a3po.arithmetic import ArithmeticDifficulty
+from a3po.devices import Device, DType
 
 
 class Variant(str, Enum):
@@ -187,6 +188,18 @@ class TrainConfig:
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
     threads; one intra-op thread each maps them onto two cores without oversubscription."""
+    device: Device = Device.AUTO
+    """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
+    dtype: DType = DType.FLOAT32
+    """Weight dtype: 'float32' or 'bfloat16' (bf16 weights, autocast on CUDA; log-probs and
+    losses in fp32 either way)."""
+
+    def __post_init__(self) -> None:
+        for name, enum in (("device", Device), ("dtype", DType)):
+            try:
+                object.__setattr__(self, name, enum(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
 
 
 class ConfigError(ValueError):
@@ -409,6 +422,7 @@ def merge_yaml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["rl"]["variant"] = cfg.rl.variant.value
+    d["device"], d["dtype"] = cfg.device.value, cfg.dtype.value
     return d
 
 

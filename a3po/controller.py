@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from a3po.rewards import grader_counts
+from a3po.devices import model_device, sampling_generator
 from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 
@@ -39,6 +40,7 @@ class Stopped(Exception):
 
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the weights on the model's own device and dtype."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -191,11 +193,11 @@ class RolloutProducer(threading.Thread):
                 self.admission.admit(len(prompts))
                 self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
                 t0 = time.perf_counter()
-                gen = torch.Generator().manual_seed(batch_seed(self.seed, j))
+                gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
                 rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
                 completions = [self.decode(r) for r in rollout.responses]
                 with grader_counts() as grader:
-                    rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32)
+                    rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
                 self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0, grader))
                 self.next_index = j + 1
         except Stopped:

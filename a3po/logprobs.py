@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from a3po.devices import autocast_for
+
 
 def sampling_log_softmax(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)`` restricted to the top-p nucleus and renormalised.
@@ -45,7 +47,8 @@ def token_logprobs(
     Returns ``(B, L)`` with column 0 set to 0 (no prefix). With ``return_entropy`` also the
     entropy of the next-token distribution at each position, same alignment.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    with autocast_for(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     logp_all = sampling_log_softmax(out.logits[:, :-1], temperature, top_p)  # (B, L-1, V)
     picked = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)

@@ -42,8 +42,16 @@ TINY_ARCHS: dict[str, TinyArch] = {
 }
 
 
-def build_tiny_model(arch: str | TinyArch, words: list[str], seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A randomly initialised Qwen2 causal LM sized by ``arch`` with the in-code tokenizer over ``words``."""
+def build_tiny_model(
+    arch: str | TinyArch,
+    words: list[str],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A randomly initialised Qwen2 causal LM sized by ``arch`` with the in-code tokenizer over
+    ``words``, on ``device`` in ``dtype``. Initialised on the CPU in fp32 and then moved, so a
+    seed gives the same initial weights on every device."""
     spec = TINY_ARCHS[arch] if isinstance(arch, str) else arch
     tokenizer = build_tokenizer(words)
     config = Qwen2Config(
@@ -62,11 +70,13 @@ def build_tiny_model(arch: str | TinyArch, words: list[str], seed: int = 0) -> t
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    return model.float().eval(), tokenizer
+    return model.float().to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any causal LM and its tokenizer from a local directory or hub name.
+def load_pretrained(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any causal LM and its tokenizer from a local directory or hub name, on ``device`` in ``dtype``.
 
     Raises FileNotFoundError with the path when a local-looking path does not exist, rather
     than letting the hub client try (and time out) offline.
@@ -76,7 +86,7 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
         raise FileNotFoundError(f"model path {p} does not exist")
     source = str(p.expanduser()) if p.exists() else str(name_or_path)
     tokenizer = _load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     if tokenizer.pad_token_id is None:
         # Many chat models ship without a pad token; padding is always masked, so eos serves.
         tokenizer.pad_token = tokenizer.eos_token

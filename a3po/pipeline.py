@@ -21,6 +21,7 @@ import torch
 from a3po.arithmetic import WORDS
 from a3po.config import TrainConfig
 from a3po.data import load_rows
+from a3po.devices import resolve_device
 from a3po.evaluate import evaluate_heldout
 from a3po.metrics import MetricLogger
 from a3po.models import TINY_ARCHS, build_tiny_model, load_pretrained
@@ -29,19 +30,24 @@ from a3po.warmstart import warm_start
 
 
 def build_model(cfg: TrainConfig):
-    """A built-in architecture name, or a path / hub name of a pretrained causal LM."""
+    """A built-in architecture name, or a path / hub name of a pretrained causal LM, on the
+    configured device and dtype."""
+    device, dtype = resolve_device(cfg.device), cfg.dtype.torch
     if cfg.model.name in TINY_ARCHS:
-        return build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
-    return load_pretrained(cfg.model.name)
+        return build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed, device=device, dtype=dtype)
+    return load_pretrained(cfg.model.name, dtype=dtype, device=device)
 
 
 def warmstart_key(cfg: TrainConfig) -> str:
     # The held-out measure depends on the RL sampling settings, so they are part of the key.
     measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
-    blob = json.dumps(
-        {"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure},
-        sort_keys=True,
-    )
+    parts = {"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure}
+    # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
+    # made before devices were configurable keep their names.
+    runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
+    if runtime != {"device": "cpu", "dtype": "float32"}:
+        parts["runtime"] = runtime
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -94,7 +100,7 @@ def train_variant(
     and exports the final weights to ``run_dir/final`` (an HF model directory)."""
     run_dir = Path(run_dir)
     torch.set_num_threads(cfg.torch_threads)
-    model, tokenizer = load_pretrained(warmstart_dir)
+    model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
     result = rl_train(
         cfg, model, tokenizer, train_rows, heldout_rows,

@@ -8,6 +8,9 @@ and the policy version of the weights that produced it. Between decode steps an 
 then carry the new version, and the KV cache of earlier tokens is recomputed with the new
 weights (as AReaL's interruptible generation discards the stale cache), so a token's
 behaviour log-prob is exactly that of its recorded version given its prefix.
+
+Everything stays on the model's device (the returned batch too); the sampling generator must
+live there as well (see :mod:`a3po.devices`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, Qwen2ForCausalLM
 
+from a3po.devices import autocast_for, model_device, sampling_generator
 from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
 
 
@@ -97,7 +101,10 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
+        if generator is not None and generator.device.type != device.type:
+            raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}; "
+                             "create it with a3po.devices.sampling_generator(device, seed)")
         n, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
@@ -128,7 +135,8 @@ class RolloutEngine:
                         cache = DynamicCache()
                         step_ids = torch.cat([ids, new_tokens[:, :t]], dim=1)
                         positions = position_ids_from_mask(attn)
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True, **{_CACHE_KW: cache})
+            with autocast_for(self.model):
+                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True, **{_CACHE_KW: cache})
             logp = sampling_log_softmax(out.logits[:, -1], params.temperature, params.top_p)  # (n, V)
             if params.temperature == 0:
                 tok = logp.argmax(-1)
@@ -142,7 +150,7 @@ class RolloutEngine:
             finished |= hit_eos
             alive_before = alive
             alive = alive & ~hit_eos
-            if not bool(alive.any()):
+            if not bool(alive.any()):  # a CPU-GPU sync point per decode step, the price of stopping early
                 break
             step_ids = tok[:, None]
             attn = torch.cat([attn, alive_before.long()[:, None]], dim=1)
@@ -152,12 +160,12 @@ class RolloutEngine:
         steps = t + 1
         resp_mask = new_version[:, :steps] >= 0
         return RolloutBatch(
-            input_ids=torch.cat([ids, new_tokens[:, :steps]], 1).cpu(),
-            attention_mask=torch.cat([mask, resp_mask.long()], 1).cpu(),
-            response_mask=torch.cat([torch.zeros_like(mask, dtype=torch.bool), resp_mask], 1).cpu(),
-            behav_logp=torch.cat([torch.zeros_like(mask, dtype=torch.float32), new_logp[:, :steps]], 1).cpu(),
-            versions=torch.cat([torch.full_like(mask, -1), new_version[:, :steps]], 1).cpu(),
-            finished=finished.cpu(),
+            input_ids=torch.cat([ids, new_tokens[:, :steps]], 1),
+            attention_mask=torch.cat([mask, resp_mask.long()], 1),
+            response_mask=torch.cat([torch.zeros_like(mask, dtype=torch.bool), resp_mask], 1),
+            behav_logp=torch.cat([torch.zeros_like(mask, dtype=torch.float32), new_logp[:, :steps]], 1),
+            versions=torch.cat([torch.full_like(mask, -1), new_version[:, :steps]], 1),
+            finished=finished,
             prompt_len=width,
             meta=list(meta) if meta is not None else [{} for _ in range(n)],
         )
@@ -174,7 +182,7 @@ def generate_text(
     """Decode completions for text prompts (the evaluation entry point). Greedy when
     ``params.temperature == 0``; EOS and padding are stripped from the returned text."""
     engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    gen = torch.Generator().manual_seed(seed)
+    gen = sampling_generator(model_device(model), seed)
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]

@@ -18,6 +18,7 @@ from a3po.advantages import ADVANTAGE_ESTIMATORS
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
+from a3po.devices import model_device, model_dtype, synchronize
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
@@ -44,10 +45,10 @@ def train_step(
     t_start = time.perf_counter()
     batch, rewards = scored.rollout, scored.rewards
     ids, attn, resp = batch.input_ids, batch.attention_mask, batch.response_mask
-    n = len(batch)
+    n, device = len(batch), ids.device
 
     # 1. Advantages: one per sequence, normalised within each prompt's group.
-    group_ids = torch.tensor([m["group"] for m in batch.meta])
+    group_ids = torch.tensor([m["group"] for m in batch.meta], device=device)
     adv = ADVANTAGE_ESTIMATORS.get(cfg.advantage)(rewards, group_ids)
 
     # 2. Staleness of every generated token: trainer version minus the version that sampled it.
@@ -55,20 +56,24 @@ def train_step(
 
     # 3. Proximal anchor = the weights before this update. Only methods that need it pay for
     #    the extra forward pass (recompute, metrics); loglinear never runs the model here.
+    synchronize(device)
     t0 = time.perf_counter()
     exact_prox = None
     if method.needs_forward:
         with torch.no_grad():
             exact_prox = token_logprobs(policy, ids, attn, cfg.temperature)
+        synchronize(device)  # time the forward, not its launch (no-op on CPU)
     prox_time = time.perf_counter() - t0
 
-    # 4. Minibatch updates of the decoupled PPO loss.
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + version))
+    # 4. Minibatch updates of the decoupled PPO loss. The permutation is drawn on the CPU and
+    #    moved: the same minibatches on every device.
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + version)).to(device)
     policy.train()
     step_metrics: list[dict[str, float]] = []
     entropy_sum, entropy_n = 0.0, 0
     for mb in perm.chunk(cfg.minibatches):
         logp, ent = token_logprobs(policy, ids[mb], attn[mb], cfg.temperature, return_entropy=True)
+        synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
         t0 = time.perf_counter()
         prox, prox_metrics = method(
             ProxInputs(
@@ -79,6 +84,7 @@ def train_step(
                 recompute_logp=lambda mb=mb: exact_prox[mb],
             )
         )
+        synchronize(device)
         prox_time += time.perf_counter() - t0
         loss, loss_metrics = decoupled_ppo_loss(
             logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap
@@ -207,8 +213,11 @@ def rl_train(
     if not eval_curve:
         eval_curve = [(0, warmstart_acc)]
 
-    # The producer samples from its own copy of the policy (the "inference engine").
-    engine_model = type(policy)(policy.config)
+    # The producer samples from its own copy of the policy (the "inference engine"), on the
+    # policy's device and in its dtype.
+    with torch.device(model_device(policy)):  # built in place: no CPU initialisation of a large model
+        engine_model = type(policy)(policy.config)
+    engine_model.to(dtype=model_dtype(policy))
     engine_model.load_state_dict(store.get(store.latest))
     engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
     sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed)

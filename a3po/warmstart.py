@@ -9,6 +9,7 @@ import random
 import torch
 
 from a3po.config import WarmStartConfig
+from a3po.devices import autocast_for, model_device
 from a3po.logprobs import position_ids_from_mask
 
 
@@ -44,10 +45,13 @@ def warm_start(model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmSta
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
     )
     model.train()
+    device = model_device(model)
     loss_val = float("nan")
     for step in range(cfg.steps):
-        ids, mask, labels = sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows))))
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+        ids, mask, labels = (t.to(device) for t in sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows)))))
+        with autocast_for(model):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+        logits = logits.float()  # the loss in fp32 whatever the weights (a no-op in fp32)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()

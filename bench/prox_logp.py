@@ -27,10 +27,11 @@ import torch
 from a3po.arithmetic import WORDS, generate_split
 from a3po.config import RLConfig, Variant, proximal_method_name
 from a3po.controller import ScoredBatch, clone_state
+from a3po.devices import model_device, sampling_generator, synchronize
 from a3po.logprobs import token_logprobs
 from a3po.models import TINY_ARCHS, build_tiny_model, count_parameters
 from a3po.proximal import PROXIMAL_METHODS, ProxInputs
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from a3po.trainer import train_step
 
 MIN_BENCH_PARAMS = 5_000_000  # below this a forward pass is too cheap to show what loglinear saves
@@ -59,17 +60,26 @@ def make_scored_batch(
             prompts.append(ids)
             meta.append({"id": row["id"], "gold": row["gold"], "group": g})
     engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, version=version)
-    gen = torch.Generator().manual_seed(seed)
+    gen = sampling_generator(model_device(model), seed)
     rollout = engine.generate(prompts, SamplingParams(max_new_tokens, temperature, top_p), generator=gen, meta=meta)
-    rewards = torch.rand(len(prompts), generator=torch.Generator().manual_seed(seed + 1))
-    return ScoredBatch(index=0, rollout=rollout, rewards=rewards, completions=[""] * len(prompts), gen_time_s=0.0)
+    return with_seeded_rewards(rollout, seed + 1)
 
 
-def _median_time(fn, inner: int = 1) -> float:
-    """Seconds per call of ``fn``, averaged over ``inner`` back-to-back calls."""
+def with_seeded_rewards(rollout: RolloutBatch, seed: int, index: int = 0, gen_time_s: float = 0.0) -> ScoredBatch:
+    """``rollout`` scored with seeded uniform rewards (drawn on the CPU, so the same on every
+    device, then moved to the rollout's device)."""
+    rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(seed)).to(rollout.input_ids.device)
+    return ScoredBatch(index=index, rollout=rollout, rewards=rewards, completions=[""] * len(rollout), gen_time_s=gen_time_s)
+
+
+def _median_time(fn, inner: int = 1, device: torch.device = torch.device("cpu")) -> float:
+    """Seconds per call of ``fn``, averaged over ``inner`` back-to-back calls (queued device
+    work included)."""
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
+    synchronize(device)
     return (time.perf_counter() - t0) / inner
 
 
@@ -93,9 +103,10 @@ def time_proximal(model, scored: ScoredBatch, version: int, temperature: float, 
 
     call("loglinear"), call("recompute")  # warm-up (allocator, lazy init)
     t_ll, t_rc = [], []
+    device = model_device(model)
     for _ in range(repeats):
-        t_ll.append(_median_time(lambda: call("loglinear"), inner))
-        t_rc.append(_median_time(lambda: call("recompute")))
+        t_ll.append(_median_time(lambda: call("loglinear"), inner, device))
+        t_rc.append(_median_time(lambda: call("recompute"), 1, device))
     model.eval()
     return {"loglinear": statistics.median(t_ll), "recompute": statistics.median(t_rc)}
 

@@ -37,6 +37,7 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
 from a3po.config import PRESETS, ConfigError, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
+from a3po.devices import Device, DType
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
@@ -300,12 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", default=None, help="dataset / warm-start cache; default <output-dir>/cache")
     ap.add_argument("--target-fraction", type=float, default=TARGET_FRACTION)
     ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
+    ap.add_argument("--device", choices=[d.value for d in Device], default=None, help="config device (default: the config's, auto); same as --set device=...")
+    ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="config dtype (default: the config's, float32)")
     ap.add_argument("--system-metrics-interval", type=float, default=10.0, help="seconds between MLflow system-metric samples")
     return ap
 
 
 def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides, per_variant = parse_sets(args.set)
+    overrides.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None})
     return dict(
         preset=args.preset, variants=_csv(args.variants), seeds=_csv(args.seeds, int), steps=args.steps,
         max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every, model=args.model, dataset=args.dataset,

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from bench import prox_logp
 
@@ -45,3 +46,51 @@ def test_bench_help_and_argument_checks(capsys):
     with pytest.raises(SystemExit):
         prox_logp.parse_args(["--batch", "12", "--group-size", "4", "--minibatches", "5"])
     assert prox_logp.parse_args([]).model == "small"
+
+
+# --- bench.gpu_smoke: the real-size GPU bench, run here at its CPU size -----------------------
+
+SMOKE_ARGS = ["--size", "small", "--device", "cpu", "--batch", "4", "--group-size", "2", "--steps", "2",
+              "--max-new-tokens", "4", "--prompt-len", "4", "--minibatches", "2"]
+
+
+def test_gpu_smoke_runs_every_variant_on_cpu_and_ends_with_one_json_line(capsys):
+    from bench import gpu_smoke
+
+    figures = gpu_smoke.main(SMOKE_ARGS)
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])
+    assert last == json.loads(json.dumps(figures))
+    assert last["command"] == "python -m bench.gpu_smoke " + " ".join(SMOKE_ARGS)
+    assert (last["device"], last["dtype"], last["gpu"], last["peak_gpu_mem_gib"]) == ("cpu", "float32", None, None)
+    for v in ("sync", "recompute", "loglinear"):
+        for k in ("tokens_per_s", "step_s", "prox_s"):
+            assert math.isfinite(last[f"{v}/{k}"]) and last[f"{v}/{k}"] > 0, (v, k)
+    assert last["prox_ratio_recompute_vs_loglinear"] == pytest.approx(last["recompute/prox_s"] / last["loglinear/prox_s"], rel=1e-3)
+    assert any(line.strip().startswith("loglinear") for line in out)
+
+
+def test_gpu_smoke_full_size_is_the_qwen2_5_0_5b_shape():
+    from a3po.models import count_parameters
+    from bench import gpu_smoke
+
+    # On the meta device: the shape without allocating 2 GB.
+    model = gpu_smoke.build_random_qwen2(gpu_smoke.SIZES["full"], torch.device("meta"), torch.bfloat16)
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size) == (
+        896, 24, 14, 2, 4864, 151936)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings
+    # Embedding 151936 * 896 = 136,134,656 (tied: counted once) + final norm 896 + 24 layers x
+    # (q 896*896+896, k and v 896*128+128 each, o 896*896, MLP 3*896*4864, 2 norms 896) = 24 x
+    # 14,912,384: 494,032,768, Qwen2.5-0.5B's published 0.49B (0.36B without embeddings).
+    assert count_parameters(model) == 494_032_768
+
+
+def test_gpu_smoke_argument_checks():
+    from bench import gpu_smoke
+
+    assert gpu_smoke.parse_args(["--size", "small"]).batch == 16
+    with pytest.raises(SystemExit):
+        gpu_smoke.parse_args(["--batch", "10", "--group-size", "4"])
+    with pytest.raises(SystemExit):
+        gpu_smoke.parse_args(["--steps", "0"])
