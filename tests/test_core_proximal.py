@@ -2,7 +2,9 @@
 standard PPO when every token is on-policy (d = 0).
 
 ``log pi_prox = a * log pi_behav + (1 - a) * log pi_theta`` with ``a = 1/d`` (``d >= 1``), ``a = 0``
-(``d <= 0``); see ``a3po/proximal.py``.
+(``d <= 0``); see ``a3po/proximal.py``. The pure function is tested here; what the trainer
+actually uses is the registered method, which anchors on ``behav`` at ``d = 0`` (tested below at
+method level and in ``test_core_trainer.py`` through ``train_step`` against hand-derived numbers).
 """
 
 from __future__ import annotations
@@ -52,22 +54,24 @@ def test_prox_lies_between_behaviour_and_target_per_token(inp):
 @settings(max_examples=300, deadline=None)
 @given(prox_inputs())
 def test_prox_is_one_dth_of_the_way_from_target_to_behaviour(inp):
-    # prox - theta = a * (behav - theta), so |prox - theta| * d = |behav - theta| for d >= 1
-    # and prox == theta for d <= 0. Reference computed in float64 from the fp32 inputs.
+    # The defining property, not the formula restated: for d >= 1 the anchor sits 1/d of the way
+    # from theta to behav, i.e. d * (prox - theta) = behav - theta; for d <= 0 it is theta itself.
     behav, theta, d = inp
     prox = loglinear_prox_logp(behav, theta, d).double()
     b, t = behav.double(), theta.double()
-    a = torch.where(d >= 1, 1.0 / d.clamp(min=1).double(), torch.zeros_like(b))
-    expected = a * b + (1 - a) * t
-    # Same rounding budget as above, relative to magnitudes <= 30: 3 ulps of fp32.
-    tol = 3 * F32_EPS * torch.maximum(b.abs(), t.abs()).clamp(min=1.0)
-    assert bool(((prox - expected).abs() <= tol).all())
+    stale = d >= 1
+    assert torch.equal(prox[~stale], t[~stale])  # 0 * b + 1 * t is exact in fp32
+    # prox carries fp32 rounding of ~3 ulps of max(|b|, |t|) (<= 30); multiplied by d <= 12 below.
+    tol = 3 * F32_EPS * torch.maximum(b.abs(), t.abs()).clamp(min=1.0) * d.double()
+    lhs = d.double() * (prox - t)
+    assert bool(((lhs - (b - t)).abs() <= tol)[stale].all())
 
 
 def test_alpha_per_staleness():
-    # a = 0 for d <= 0 (prompt/pad tokens carry d < 0), else 1/d.
-    d = torch.tensor([-5, -1, 0, 1, 2, 4, 10])
-    expected = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.5, 0.25, 0.1])
+    # a = 0 for d <= 0 (prompt/pad tokens carry d < 0), else 1/d. Literals, and for d = 3, 7 the
+    # nearest fp32 to the exact fraction (what 1.0 / d in fp32 must round to).
+    d = torch.tensor([-5, -1, 0, 1, 2, 3, 4, 7, 10])
+    expected = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.5, 0.3333333432674408, 0.25, 0.1428571492433548, 0.1])
     assert torch.equal(loglinear_alpha(d), expected)
     assert loglinear_alpha(d).dtype == torch.float32
 
@@ -184,14 +188,19 @@ def test_loglinear_d0_decoupled_equals_ppo_clip_on_policy(seed, eps_high):
     d = torch.where(mask, torch.zeros(3, 7, dtype=torch.long), torch.full((3, 7), -1))
     prox = loglinear_prox_logp(behav, logp.detach(), d)
     assert torch.equal(prox, logp.detach())
+    # What the trainer uses at d = 0 is the registered method, which anchors on behav (the
+    # step-start policy); here behav == theta, so both anchors give the same loss.
+    prox_trainer, _ = PROXIMAL_METHODS.get("loglinear")(_inputs(behav, logp.detach(), d, mask))
+    assert torch.equal(prox_trainer[mask], behav[mask])
 
-    l_dec, m_dec = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, eps_high, None)
-    (g_dec,) = torch.autograd.grad(l_dec, logp)
     l_ppo, m_ppo = ppo_clip_loss(logp, behav, adv, mask, 0.2, eps_high)
     (g_ppo,) = torch.autograd.grad(l_ppo, logp)
-    assert l_dec.item() == l_ppo.item()
-    assert torch.equal(g_dec, g_ppo)
-    assert m_dec["policy/clip_frac"] == m_ppo["policy/clip_frac"] == 0.0
+    for anchor in (prox, prox_trainer):
+        l_dec, m_dec = decoupled_ppo_loss(logp, anchor, behav, adv, mask, 0.2, eps_high, None)
+        (g_dec,) = torch.autograd.grad(l_dec, logp)
+        assert l_dec.item() == l_ppo.item()
+        assert torch.equal(g_dec, g_ppo)
+        assert m_dec["policy/clip_frac"] == m_ppo["policy/clip_frac"] == 0.0
 
 
 def test_loglinear_d0_equals_ppo_within_rollout_noise():

@@ -7,16 +7,20 @@ The batch is a real rollout of the "micro" model (see ``bench.prox_logp.make_sco
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from a3po.arithmetic import WORDS
 from a3po.config import RLConfig, Variant, proximal_method_name
-from a3po.controller import clone_state
+from a3po.controller import ScoredBatch, clone_state
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss, ppo_clip_loss
 from a3po.models import build_tiny_model
 from a3po.proximal import PROXIMAL_METHODS, ProxInputs, loglinear_prox_logp
+from a3po.rollout import RolloutBatch
 from a3po.trainer import train_step
 from bench.prox_logp import make_scored_batch
 
@@ -183,3 +187,118 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert [learning_rate(constant, s) for s in (10, 60, 109)] == [1e-4] * 3
     with pytest.raises(ValueError, match="lr_schedule"):
         RLConfig(lr_schedule="linear")
+
+
+# --- train_step against hand-derived numbers -----------------------------------------------------
+#
+# A policy whose logits we control: two tokens, logits [w, 0] at every position whatever the input,
+# so p(token 0) = sigmoid(w) and p(token 1) = 1 - sigmoid(w). At w = 0 every token has
+# log pi_theta = log(1/2), and d log pi_theta / dw = 1 - sigmoid(w) = +1/2 for token 0,
+# -sigmoid(w) = -1/2 for token 1. The behaviour log-probs are data in the batch, chosen below so
+# that r and w come out as round numbers.
+
+
+class _TwoTokenPolicy(torch.nn.Module):
+    def __init__(self, w: float = 0.0) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(float(w)))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        b, length = input_ids.shape
+        logits = torch.stack([self.w, torch.zeros_like(self.w)]).expand(b, length, 2)
+        return SimpleNamespace(logits=logits)
+
+
+def _scored(tokens, behav, d, version, rewards, pad_to):
+    """A one-group ScoredBatch: row i has prompt token 0 at column 0, then ``tokens[i]`` (with
+    behaviour log-probs ``behav[i]`` and staleness ``d[i]``), right-padded to ``pad_to`` columns."""
+    n = len(tokens)
+    ids = torch.zeros(n, 1 + pad_to, dtype=torch.long)
+    resp = torch.zeros(n, 1 + pad_to, dtype=torch.bool)
+    blp = torch.zeros(n, 1 + pad_to)
+    ver = torch.full((n, 1 + pad_to), -1, dtype=torch.long)
+    for i in range(n):
+        k = len(tokens[i])
+        ids[i, 1 : 1 + k] = torch.tensor(tokens[i])
+        resp[i, 1 : 1 + k] = True
+        blp[i, 1 : 1 + k] = torch.tensor(behav[i], dtype=torch.float32)
+        ver[i, 1 : 1 + k] = version - torch.tensor(d[i])
+    rollout = RolloutBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=resp, behav_logp=blp, versions=ver,
+        finished=torch.ones(n, dtype=torch.bool), prompt_len=1, meta=[{"group": 0} for _ in range(n)],
+    )
+    return ScoredBatch(index=version, rollout=rollout, rewards=torch.tensor(rewards), completions=[""] * n, gen_time_s=0.0)
+
+
+def test_loglinear_train_step_matches_the_hand_derived_loss_and_gradient():
+    # Paper's equations (A-3PO; decoupled PPO, Hilton et al. 2022), eps = 0.2, cap on w = 5:
+    #   log pi_prox = a log pi_behav + (1 - a) log pi_theta,  a = 1/d (d >= 1); for d = 0 the
+    #   step-start policy is the behaviour policy itself, so pi_prox = pi_behav (see test below)
+    #   r = pi_theta / pi_prox,  w = pi_prox / pi_behav (token dropped if w > 5)
+    #   l = w * max(-A r, -A clip(r, 0.8, 1.2)),  loss = sum(l) / (number of response tokens)
+    # With theta = log(1/2) and behav = theta + delta:  d = 2 -> r = w = exp(-delta/2);
+    # d = 1 or 0 -> r = exp(-delta), w = 1;  d = 4 -> r = exp(-delta/4), w = exp(-3 delta/4).
+    # Advantages: dr_grpo, rewards [2, 0] in one group -> A = +1, -1 (exact).
+    half = math.log(0.5)
+    ln = math.log
+    rows = [
+        # row 0, A = +1: three tokens and one pad column
+        [(0, 2, half - 2 * ln(1.1)),  # r = w = 1.1 (inside the clip): l = 1.1 * -1.1 = -1.21, dl/dlogp = -1.21
+         (1, 2, half - 2 * ln(1.5)),  # r = w = 1.5 > 1.2, A > 0: clipped, l = 1.5 * -1.2 = -1.8, no gradient
+         (0, 0, ln(1 / 3))],          # d = 0: prox = behav = log(1/3), r = 0.5/(1/3) = 1.5, w = 1: l = -1.2, no gradient
+        # row 1, A = -1: four tokens
+        [(1, 1, ln(5 / 9)),           # prox = behav, r = 0.5/(5/9) = 0.9, w = 1: l = max(0.9, 0.9) = 0.9, dl/dlogp = +0.9
+         (0, 4, ln(1 / 32)),          # delta = -4 log 2: r = 2, w = 8 > 5: dropped (still counted in the mean)
+         (1, 4, half - 4 * ln(1.1)),  # r = 1.1, w = 1.1**3 = 1.331: l = 1.331 * 1.1 = 1.4641, dl/dlogp = +1.4641
+         (0, 1, ln(2 / 3))],          # r = 0.5/(2/3) = 0.75 < 0.8, A < 0: clipped, l = 0.8, no gradient
+    ]
+    scored = _scored(
+        tokens=[[t for t, _, _ in r] for r in rows], behav=[[b for _, _, b in r] for r in rows],
+        d=[[d for _, d, _ in r] for r in rows], version=4, rewards=[2.0, 0.0], pad_to=4,
+    )
+    # loss = (-1.21 - 1.8 - 1.2 + 0.9 + 0 + 1.4641 + 0.8) / 7 = -1.0459 / 7
+    expected_loss = -1.0459 / 7
+    # dloss/dw = sum(dl/dlogp * dlogp/dw) / 7 = (-1.21 * 1/2 + 0.9 * -1/2 + 1.4641 * -1/2) / 7 = -1.78705 / 7
+    expected_grad = -1.78705 / 7
+    policy = _TwoTokenPolicy()
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # w_after = 0 - 1.0 * grad (|grad| < grad_clip = 1)
+    cfg = RLConfig(variant=Variant.LOGLINEAR, batch_prompts=1, group_size=2, minibatches=1, temperature=1.0,
+                   advantage="dr_grpo", eps_clip=0.2, behav_weight_cap=5.0, grad_clip=1.0)
+    metrics = train_step(policy, opt, scored, 4, cfg, PROXIMAL_METHODS.get("loglinear"))
+
+    # fp32 log-probs of magnitude <= 4, exponentiated: ~1e-6 relative; tolerance 1e-5.
+    assert metrics["loss/policy"] == pytest.approx(expected_loss, rel=1e-5)
+    assert policy.w.item() == pytest.approx(-expected_grad, rel=1e-5)
+    assert metrics["policy/grad_norm"] == pytest.approx(abs(expected_grad), rel=1e-5)
+    assert metrics["policy/behav_cap_frac"] == pytest.approx(1 / 7)  # the d = 4, w = 8 token
+    assert metrics["policy/clip_frac"] == pytest.approx(3 / 7)  # the r = 1.5, 1.5, 0.75 tokens
+    assert metrics["policy/iw_max"] == pytest.approx(2.0, rel=1e-5)
+    assert metrics["policy/behav_w_max"] == pytest.approx(8.0, rel=1e-5)
+    assert metrics["staleness/mean"] == pytest.approx((2 + 2 + 0 + 1 + 4 + 4 + 1) / 7)
+    assert metrics["staleness/max"] == 4.0
+    assert metrics["policy/entropy"] == pytest.approx(math.log(2), rel=1e-6)  # two equally likely tokens
+
+
+@pytest.mark.parametrize("variant", [Variant.LOGLINEAR, Variant.RECOMPUTE, Variant.SYNC])
+def test_d0_tokens_keep_the_trust_region_across_minibatches_in_train_step(variant):
+    # What the trainer does at d = 0 (not the pure function, which would anchor on theta).
+    # Two rows, one response token each, one minibatch each, on-policy at w = 0 (behav = log 1/2):
+    #   row 0: token 0, A = +1;  row 1: token 1, A = -1  (dr_grpo, rewards [2, 0]).
+    # First minibatch (either row): r = 1, w = 1, dloss/dw = -A * dlogp/dw = -1/2 for both rows,
+    #   so SGD with lr = 2 log 3 moves w to log 3: p(token 0) = 3/4.
+    # Second minibatch, anchored on the step-start policy pi_prox = pi_behav = 1/2:
+    #   row 0: r = (3/4)/(1/2) = 1.5 > 1.2 with A > 0 -> clipped, no gradient;
+    #   row 1: r = (1/4)/(1/2) = 0.5 < 0.8 with A < 0 -> clipped, no gradient.
+    # So w ends at exactly log 3 whichever row came first, and clip_frac = (0 + 1) / 2.
+    # Anchoring d = 0 tokens on the current theta instead gives r = 1 in the second minibatch: no
+    # clipping, a non-zero gradient, and w != log 3.
+    half = math.log(0.5)
+    scored = _scored(tokens=[[0], [1]], behav=[[half], [half]], d=[[0], [0]], version=3, rewards=[2.0, 0.0], pad_to=1)
+    policy = _TwoTokenPolicy()
+    opt = torch.optim.SGD(policy.parameters(), lr=2 * math.log(3))
+    cfg = RLConfig(variant=variant, batch_prompts=1, group_size=2, minibatches=2, temperature=1.0, advantage="dr_grpo")
+    metrics = train_step(policy, opt, scored, 3, cfg, PROXIMAL_METHODS.get(proximal_method_name(cfg)))
+    assert policy.w.item() == pytest.approx(math.log(3), rel=1e-6)
+    assert metrics["policy/clip_frac"] == 0.5
+    # loss/policy is the mean over minibatches: (-1 + 0.8) / 2 or (+1 - 1.2) / 2, both -0.1.
+    assert metrics["loss/policy"] == pytest.approx(-0.1, rel=1e-5)

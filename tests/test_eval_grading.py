@@ -1,7 +1,10 @@
-"""The grader: task semantics, the cheap fast path, and timeouts that hold off the main thread.
+"""The grader: task semantics, the fast path, and timeouts that hold off the main thread.
 
-Timing assertions allow slack for a loaded 2-core machine: the supervisor enforces the timeout
-itself, so a hung comparison returns after ``timeout_s`` plus one scheduling round-trip.
+Timing: a hung comparison must run until ``timeout_s`` (a lower bound, which load cannot break)
+and then return flagged ``timed_out``. Its upper bound only separates "returned" from "hung" (the
+comparison itself would run for hours), so it is loose enough for a loaded machine; a comparison
+that must be quick is checked by the grader's own clock: it did not time out. Per-call costs are
+figures of ``python -m bench.grading``, not assertions.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from eval.grading import GradeResult, GradingConfig, grade, score
 
 HANG = "so the answer is \\boxed{10^{10^{10^{10}}}}."  # sympy tries to build a 10-billion-digit integer
 TIMEOUT_S = 1.0
-SLACK_S = 1.5
+HANG_GUARD_S = 30.0  # returned at all (vs. hours for the hung comparison), whatever the load
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,19 +71,15 @@ def test_unknown_task_lists_valid_ones() -> None:
         score("mmlu", "#### 1", "1")
 
 
-def test_arith_fast_path_is_cheap_and_never_uses_the_worker() -> None:
+def test_arith_fast_path_never_uses_the_worker() -> None:
+    # The cost per call (~5-10 us on 2 shared cores) is a bench figure (python -m bench.grading).
     before = grading.stats()
     completions = [f"{a} + {b} = {a + b}\n#### {a + b}" for a in range(50) for b in range(40)]  # 2000
-    t = time.perf_counter()
-    for _ in range(10):
-        for c in completions:
-            score("arith", c, c.rsplit(" ", 1)[1])
-    per_call_us = (time.perf_counter() - t) / (10 * len(completions)) * 1e6
+    scores = [score("arith", c, c.rsplit(" ", 1)[1]) for _ in range(10) for c in completions]
     after = grading.stats()
+    assert scores == [1.0] * (10 * len(completions))
     assert after["math_verify"] == before["math_verify"]
     assert after["fast"] - before["fast"] == 10 * len(completions)
-    # ~5-10 us measured on 2 shared cores; 100 us still leaves the trainer far from bound.
-    assert per_call_us < 100, per_call_us
 
 
 def _timed(fn, *args, **kw):
@@ -93,28 +92,28 @@ def test_hanging_comparison_times_out_is_counted_and_the_next_call_works() -> No
     before = grading.stats()["timeouts"]
     r, dt = _timed(grade, "math500", HANG, "5", timeout_s=TIMEOUT_S)
     assert r.timed_out and r.score == 0.0 and r.path == "math_verify"
-    assert TIMEOUT_S * 0.9 <= dt < TIMEOUT_S + SLACK_S, dt
+    assert TIMEOUT_S * 0.9 <= dt < HANG_GUARD_S, dt
     assert grading.stats()["timeouts"] == before + 1
-    # the evaluator was replaced: the next symbolic comparison is correct and quick
-    r, dt = _timed(grade, "math500", "\\boxed{\\frac{28}{6}}", "\\frac{14}{3}", timeout_s=TIMEOUT_S)
-    assert r.score == 1.0 and not r.timed_out and dt < TIMEOUT_S + SLACK_S
+    # the evaluator was replaced: the next symbolic comparison is correct and within the timeout
+    r = grade("math500", "\\boxed{\\frac{28}{6}}", "\\frac{14}{3}", timeout_s=TIMEOUT_S)
+    assert r.score == 1.0 and not r.timed_out and r.path == "math_verify"
 
 
 @pytest.mark.parametrize(
-    "completion",
+    "completion, expected",
     [
-        "x" * 100_000 + " so the answer is \\boxed{5}",  # 100k characters, then a normal answer
-        "\\boxed{" + "\\frac{1}{" * 11_000 + "2" + "}" * 11_000 + "}",  # deeply nested LaTeX, 100k+ characters
-        "\\boxed{" + "\\frac{1}{" * 90 + "2" + "}" * 90 + "}",  # deep nesting short enough to be parsed
-        "\\boxed{" + "{[(" * 30_000,  # unclosed \boxed{ with 90k unbalanced brackets
-        "so the answer is \\boxed{" + "1+" * 50_000,  # unclosed, long arithmetic
-        "$" + "\\sqrt{" * 300 + "2" + "}" * 300 + "$ the answer is " + "\\sqrt{" * 150 + "2" + "}" * 150,
+        ("x" * 100_000 + " so the answer is \\boxed{5}", 1.0),  # 100k characters, then the right answer
+        ("\\boxed{" + "\\frac{1}{" * 11_000 + "2" + "}" * 11_000 + "}", 0.0),  # deeply nested LaTeX, 100k+ characters
+        ("\\boxed{" + "\\frac{1}{" * 90 + "2" + "}" * 90 + "}", 0.0),  # parseable nesting: 1/(1/(...2)) = 2, not 5
+        ("\\boxed{" + "{[(" * 30_000, 0.0),  # unclosed \boxed{ with 90k unbalanced brackets
+        ("so the answer is \\boxed{" + "1+" * 50_000, 0.0),  # unclosed, long arithmetic
+        ("$" + "\\sqrt{" * 300 + "2" + "}" * 300 + "$ the answer is " + "\\sqrt{" * 150 + "2" + "}" * 150, 0.0),  # nested roots of 2, below 2
     ],
 )
-def test_hostile_completions_return_within_the_timeout(completion: str) -> None:
+def test_hostile_completions_return_within_the_timeout(completion: str, expected: float) -> None:
     r, dt = _timed(grade, "math500", completion, "5", timeout_s=TIMEOUT_S)
-    assert dt < TIMEOUT_S + SLACK_S, (dt, r)
-    assert r.score in (0.0, 1.0)
+    assert dt < HANG_GUARD_S, (dt, r)
+    assert r.score == expected, r
 
 
 def test_timeout_holds_in_threads() -> None:
@@ -125,16 +124,14 @@ def test_timeout_holds_in_threads() -> None:
         results[i] = _timed(grade, "math500", completion, "5" if i == 0 else "\\frac{14}{3}", timeout_s=TIMEOUT_S)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    t = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
-    elapsed = time.perf_counter() - t
-    assert results[0][0].timed_out
-    assert all(results[i][0].score == 1.0 for i in (1, 2, 3))
-    # threads share one worker: the hang costs one timeout, the others are quick
-    assert elapsed < TIMEOUT_S + 2 * SLACK_S, elapsed
+        th.join(timeout=HANG_GUARD_S)
+    assert not any(th.is_alive() for th in threads)
+    assert results[0][0].timed_out and TIMEOUT_S * 0.9 <= results[0][1]
+    # threads share one worker: the hang costs one timeout and the others still finish within theirs
+    assert all(results[i][0].score == 1.0 and not results[i][0].timed_out for i in (1, 2, 3))
 
 
 def test_timeout_holds_in_a_daemonic_worker_process() -> None:
@@ -146,7 +143,7 @@ def test_timeout_holds_in_a_daemonic_worker_process() -> None:
         hung = pool.apply(grading.grade, ("math500", HANG, "5"), {"timeout_s": TIMEOUT_S})
         dt = time.perf_counter() - t
     assert warm.score == 1.0
-    assert hung.timed_out and dt < TIMEOUT_S + SLACK_S, dt
+    assert hung.timed_out and TIMEOUT_S * 0.9 <= dt < HANG_GUARD_S, dt
 
 
 def test_answers_longer_than_the_cap_are_not_parsed() -> None:

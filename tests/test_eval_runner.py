@@ -43,14 +43,49 @@ def test_metrics_with_a_scripted_model(monkeypatch, tiny, tmp_path: Path) -> Non
     assert json.loads((tmp_path / "results.json").read_text())["benchmarks"]["math500"] == pytest.approx(m)
 
 
+def _force_completion(model, tokenizer, text: str):
+    """Make the real model write ``text`` then EOS, greedy or sampled: a forward hook replaces the
+    last position's logits by +-1e4 on the scripted token. The decode step is read off the
+    attention mask (the prefill's width, then one column more per step)."""
+    script = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    state = {}
+
+    def hook(module, args, kwargs, out):
+        ids, attn = kwargs["input_ids"], kwargs["attention_mask"]
+        if ids.shape[1] > 1:
+            state["prefill"] = attn.shape[1]
+        t = min(attn.shape[1] - state["prefill"], len(script) - 1)
+        logits = out.logits.clone()
+        logits[:, -1] = -1e4
+        logits[:, -1, script[t]] = 1e4
+        out.logits = logits
+        return out
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
 def test_tiny_model_end_to_end(tiny, tmp_path: Path) -> None:
-    cfg = EvalConfig(max_new_tokens=4, n_samples=2, limit=2, batch_size=4)
+    # The real tiny model, generation, decoding, grading and aggregation, with the model's output
+    # forced to "#### 3" for every prompt (greedy and sampled). Known from the data:
+    #   arith, first 2 problems: golds "3" and "12" -> scores 1, 0: pass@1 = 0.5; both samples of
+    #     each problem alike: mean@2 = 0.5, pass@2 = (1 + 0) / 2 = 0.5;
+    #   math500 fixture, first 2: golds \frac{14}{3} and (3, pi/2): "3" equals neither -> all 0,
+    #     yet an answer is found in every completion: no_answer_rate = 0.
+    model, tok = tiny
+    cfg = EvalConfig(max_new_tokens=8, n_samples=2, limit=2, batch_size=4)
     benches = ["math500", "arith"]
-    res = run_eval(tiny, benches, cfg, data_dir=fixture_path("math500").parent, out_dir=tmp_path)
-    for b in benches:
-        m = res["benchmarks"][b]
-        assert m["n_problems"] == 2 and 0.0 <= m["pass@1"] <= 1.0 and {"mean@2", "pass@2"} <= set(m)
-    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(benches) * 2 * (1 + 2)
+    handle = _force_completion(model, tok, "#### 3")
+    try:
+        res = run_eval(tiny, benches, cfg, data_dir=fixture_path("math500").parent, out_dir=tmp_path)
+    finally:
+        handle.remove()
+    arith, math500 = res["benchmarks"]["arith"], res["benchmarks"]["math500"]
+    assert (arith["n_problems"], arith["pass@1"], arith["mean@2"], arith["pass@2"], arith["no_answer_rate"]) == (2, 0.5, 0.5, 0.5, 0.0)
+    assert (math500["n_problems"], math500["pass@1"], math500["mean@2"], math500["pass@2"], math500["no_answer_rate"]) == (2, 0.0, 0.0, 0.0, 0.0)
+    lines = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(lines) == len(benches) * 2 * (1 + 2)
+    assert {x["completion"] for x in lines} == {"#### 3"}
+    assert [x["score"] for x in lines if x["benchmark"] == "arith" and x["sample"] == "greedy"] == [1.0, 0.0]
 
 
 def test_checkpoint_path_loads_the_same_weights(tiny, tmp_path: Path) -> None:

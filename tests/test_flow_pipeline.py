@@ -38,6 +38,8 @@ def _search(uri: str, experiment: str):
 def test_compare_flow_end_to_end(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from eval.data import BENCHMARKS
+    from eval.grading import score
     from flows.compare_variants import compare_variants
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -59,6 +61,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     assert children["params.rl.variant"].tolist() == children["tags.a3po.variant"].tolist()  # flattened config as params
 
     client = MlflowClient(uri)
+    evaluation_of = {r["variant"]: r["evaluation"] for r in res["runs"]}
     for _, child in children.iterrows():
         steps = [m.step for m in client.get_metric_history(child["run_id"], "reward/mean")]
         assert steps == list(range(1, 7))  # every training step
@@ -70,9 +73,17 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         # (same weights, same fixed sampling seed).
         assert child["metrics.eval/final/heldout_acc"] == acc[-1][1] == child["metrics.final/heldout_acc"]
         assert child["metrics.eval/final/heldout_greedy_acc"] == child["metrics.eval/heldout_greedy_acc"]
+        # pass@1 in MLflow is the fraction of this checkpoint's greedy completions (records.jsonl
+        # beside the evaluation's results.json) that the grader, called here, scores 1.
+        records_path = Path(evaluation_of[child["tags.a3po.variant"]]["results_path"]).with_name("records.jsonl")
+        records = [json.loads(line) for line in records_path.read_text().splitlines()]
         for bench in ("gsm8k", "math500", "aime24"):
             assert child[f"metrics.eval/final/{bench}/n_problems"] == 2
-            assert 0.0 <= child[f"metrics.eval/final/{bench}/pass_at_1"] <= 1.0
+            greedy = [x for x in records if x["benchmark"] == bench and x["sample"] == "greedy"]
+            assert len(greedy) == 2
+            regraded = [score(BENCHMARKS.get(bench).task, x["completion"], x["gold"]) for x in greedy]
+            assert regraded == [x["score"] for x in greedy]
+            assert child[f"metrics.eval/final/{bench}/pass_at_1"] == sum(regraded) / 2
         assert any(k.startswith("system/") for k in client.get_run(child["run_id"]).data.metrics)
     assert children["tags.a3po.run_dir"].map(lambda d: (Path(d) / "checkpoints" / "latest").exists()).all()
 
