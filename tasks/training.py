@@ -279,6 +279,9 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
     if not result_path.exists():
         raise FileNotFoundError(f"{result_path}: the launched ranks exited 0 but wrote no result")
     result = json.loads(result_path.read_text())
+    # The eval curve holds the unrounded accuracies (the summary's are rounded to 4 places):
+    # its first point is the warm start, its last the final step (always evaluated).
+    (_, warmstart_acc), (_, final_acc) = result["eval_curve"][0], result["eval_curve"][-1]
     history = read_metrics_jsonl(out / "metrics.jsonl")
     history_path = rd / "history.jsonl"
     atomic_write_text(history_path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(history)))
@@ -287,7 +290,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id))
         logger.ensure_history(history)
         log_metrics_now(client, run_id, {
-            "final/heldout_acc": result["final_acc"],
+            "final/heldout_acc": final_acc,
             "final/reward": final_reward(history),
             "final/train_wall_s": history[-1]["time/train_wall_s"] if history else 0.0,
             "final/mean_step_time_s": sum(h["perf/step_time_s"] for h in history) / max(len(history), 1),
@@ -297,8 +300,8 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result["variant"], seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
-        history_path=str(history_path), mlflow_run_id=run_id, warmstart_acc=result["warmstart_acc"],
-        final_acc=result["final_acc"], steps=result["steps"], wall_s=result["wall_s"],
+        history_path=str(history_path), mlflow_run_id=run_id, warmstart_acc=warmstart_acc,
+        final_acc=final_acc, steps=result["steps"], wall_s=result["wall_s"],
         resumed_from=result.get("resumed_from"), library_s=launched.wall_s,
     )
 
