@@ -111,6 +111,7 @@ def test_sigkilled_rank_fails_the_task_naming_it_and_leaves_nothing_running(pref
     assert len(pids) == 2 and not any(_running(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_killed_launcher_takes_its_orphaned_ranks_with_it():
     """torchrun starts its workers in new sessions: when torchrun itself is SIGKILLed, only the
     launcher's record of descendants can stop them."""
@@ -192,3 +193,48 @@ def test_launcher_command_lines(tmp_path):
     (node, cmd), = launcher_commands(tr, ["train.py", "--x"], 29400).items()
     assert node == 1 and cmd[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
                                      "--master-addr", "10.0.0.1", "--master-port", "29400", "--tee", "3", "--max-restarts", "0", "train.py", "--x"]
+
+
+TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
+
+
+def _without_timing(history_path: str) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in Path(history_path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.mark.slow
+def test_launched_training_equals_in_process_training_and_records_topology(prefect_server, tmp_path):
+    """The flow's torchrun path (one rank: today's trainer is single-process) runs
+    ``python -m a3po.cli train`` on the run's config YAML and reads its results back: the same
+    per-step history and final accuracy as the in-process path (deterministic schedule), and
+    the topology on the parent and child MLflow runs."""
+    import mlflow
+
+    from flows.compare_variants import compare_variants
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = dict(preset="micro", variants=["loglinear"], seeds=[0], steps=4, tracking_uri=uri, experiment="launch",
+                  cache_dir=str(tmp_path / "cache"), benchmarks=[])
+    local = compare_variants(**common, output_dir=str(tmp_path / "local"))
+    launched = compare_variants(**common, output_dir=str(tmp_path / "launched"), launch={"mode": "torchrun", "nproc_per_node": 1, "zero_stage": 2})
+    (l_run,), (t_run,) = local["runs"], launched["runs"]
+    assert Path(t_run["final_dir"]).parent.parent == Path(t_run["run_dir"])  # the CLI wrote into the run dir
+    assert (Path(t_run["run_dir"]) / "config.yaml").exists()
+    assert t_run["final_acc"] == l_run["final_acc"] and t_run["warmstart_acc"] == l_run["warmstart_acc"]
+    assert _without_timing(t_run["history_path"]) == _without_timing(l_run["history_path"])
+    assert len(_without_timing(t_run["history_path"])) == 4
+
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["launch"])
+    child = runs[runs["run_id"] == t_run["mlflow_run_id"]].iloc[0]
+    parent = runs[runs["run_id"] == launched["parent_run_id"]].iloc[0]
+    for row in (child, parent):
+        assert row["params.launch.mode"] == "torchrun" and row["tags.a3po.launch.mode"] == "torchrun"
+        assert (row["params.launch.nodes"], row["params.launch.ranks_per_node"], row["params.launch.world_size"]) == ("1", "1", "1")
+        assert row["params.launch.devices"] == "cpu" and row["params.launch.zero_stage"] == "2"
+    assert child["status"] == "FINISHED" and child["metrics.final/heldout_acc"] == l_run["final_acc"]
+    local_parent = runs[runs["run_id"] == local["parent_run_id"]].iloc[0]
+    assert local_parent["params.launch.mode"] == "local"
