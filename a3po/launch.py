@@ -365,10 +365,11 @@ class _Run:
         if m:
             rank, local, rc = int(m.group(1)), int(m.group(2)), int(m.group(3))
             where = f"node {node}, local rank {local}"
+        elif self.spec.mode is LaunchMode.DEEPSPEED:
+            # It exits with its failing rank's code (sys.exit(-9) -> 247) but does not say which rank.
+            rank, rc, where = None, code - 256 if code > 128 else code, "DeepSpeed launcher (a rank)"
         else:
             rank, rc, where = None, code, f"launcher of node {node}"
-            if self.spec.mode is LaunchMode.DEEPSPEED and code > 128:
-                rc = code - 256  # the DeepSpeed launcher exits with its rank's code: sys.exit(-9) -> 247
         with self.lock:
             lines = list(self.tail[rank]) if rank is not None else list(self.tail[None])
             others = {r: list(t)[-3:] for r, t in self.tail.items() if r is not None and r != rank}

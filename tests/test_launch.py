@@ -238,3 +238,24 @@ def test_launched_training_equals_in_process_training_and_records_topology(prefe
     assert child["status"] == "FINISHED" and child["metrics.final/heldout_acc"] == l_run["final_acc"]
     local_parent = runs[runs["run_id"] == local["parent_run_id"]].iloc[0]
     assert local_parent["params.launch.mode"] == "local"
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_streams_per_rank_logs_and_stops_all_on_a_dead_rank():
+    """The real DeepSpeed launcher (CPU accelerator, 2 local ranks): lines per rank from its
+    per-rank log files; a SIGKILLed rank: its code comes back through the launcher's exit
+    status (247 = -9), the others are stopped, nothing is left."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    got: dict = {0: [], 1: [], None: []}
+    spec = LaunchSpec(mode="deepspeed", num_gpus=2, grace_s=5)
+    res = launch(spec, [*PROBE, "--steps", "2"], on_line=lambda r, t: got[r].append(t))
+    assert res.topology["world_size"] == 2 and res.exit_codes == {0: 0}
+    for rank in (0, 1):
+        assert f"probe rank {rank} step 2 allreduce 1" in got[rank]
+    lines: list[str] = []
+    with pytest.raises(RankFailure) as exc:
+        launch(spec, [*PROBE, "--steps", "50", "--sleep", "0.2", "--crash-rank", "1", "--crash-at", "2"], on_line=lambda r, t: lines.append(t))
+    assert str(exc.value).startswith("the DeepSpeed launcher (a rank) failed with exit signal 9 (SIGKILL)"), str(exc.value)
+    pids = _probe_pids(lines)
+    assert len(pids) == 2 and not any(_running(p) for p in pids)
+    assert not ({p.pid for p in psutil.Process().children(recursive=True)} - before)
