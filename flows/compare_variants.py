@@ -38,12 +38,13 @@ from prefect import flow, get_run_logger
 
 from a3po.config import PRESETS, ConfigError, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
 from a3po.devices import Device, DType
+from a3po.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, log_evaluation, log_to_parent, open_parent_run
-from tasks.training import run_dir_for, train_variant, warm_start, warmstart_ready
+from tasks.training import run_dir_for, topology_tags, train_launched, train_variant, warm_start, warmstart_ready
 
 DEFAULT_VARIANTS = [v.value for v in Variant]  # sync, recompute, loglinear
 
@@ -104,8 +105,10 @@ def run_comparison(
     bench_limit: int | None,
     bench_max_new_tokens: int,
     system_metrics_interval_s: float,
+    launch: LaunchSpec | None = None,
 ) -> list[dict[str, Any]]:
-    """The comparison body shared by the flows: one record per variant x seed."""
+    """The comparison body shared by the flows: one record per variant x seed. ``launch`` (not
+    local): each training runs as ranks of ``python -m a3po.cli train`` (tasks.training.train_launched)."""
     # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
     data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
     base = with_prepared_data(base, data)
@@ -115,7 +118,10 @@ def run_comparison(
     for variant in variants:
         for seed in seeds:
             cfg = variant_config(base, variant, seed, variant_overrides)
-            run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, system_metrics_interval_s)
+            if launch is None or launch.mode is LaunchMode.LOCAL:
+                run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, system_metrics_interval_s)
+            else:
+                run = train_launched(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, launch)
             ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))
             log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
             records.append({**run.as_dict(), "evaluation": ev, "warmstart": {"dir": ws.dir, "heldout_acc": ws.heldout_acc, "seconds": ws.seconds}})
@@ -126,6 +132,12 @@ def parent_params(cfg: TrainConfig, **flow_values: Any) -> dict[str, Any]:
     d = config_to_dict(cfg)
     d["rl"].pop("variant"), d["rl"].pop("seed")  # per child run
     return {**d, "flow": {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flow_values.items()}}
+
+
+def launch_params(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, Any]]:
+    """(tags, params) recording a comparison's topology on its parent run (``launch.*``)."""
+    topo = spec.topology()
+    return topology_tags(topo), {"launch": topo}
 
 
 @flow(name="compare-variants", log_prints=True)
@@ -154,6 +166,7 @@ def compare_variants(
     smooth_frac: float = SMOOTH_FRAC,
     torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
+    launch: str | dict[str, Any] = "local",
 ) -> dict[str, Any]:
     """Train and evaluate ``variants`` x ``seeds`` from one warm start; compare them.
 
@@ -171,8 +184,12 @@ def compare_variants(
     and warm-start cache (default <output_dir>/cache). target_fraction / smooth_frac: see
     tasks.summary. torch_threads: overrides the config's ``torch_threads`` (intra-op threads of
     each of the trainer's two Python threads; the library's default 1 suits 2 cores).
+    launch: "local" (in-process, the default) or a LaunchSpec as a dict, e.g. ``{"mode":
+    "torchrun", "nproc_per_node": 2}``: each training then runs ``python -m a3po.cli train`` as
+    launched ranks (a3po.launch; docs/distributed.md); the topology is recorded on the runs.
     """
     t0 = time.perf_counter()
+    spec = launch_spec(launch)  # raises naming the field, before anything runs
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     for v in variants:
         Variant(v)  # raises on an unknown name
@@ -182,12 +199,13 @@ def compare_variants(
     data_dir = data_dir if data_dir is not None else default_data_dir()
     flow_values = dict(preset=preset, variants=variants, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
                        data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
+    launch_tags, launch_param = launch_params(spec)
     ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
-                          {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds))},
-                          parent_params(base, **flow_values))
+                          {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)), **launch_tags},
+                          {**parent_params(base, **flow_values), **launch_param})
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s)
+                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec)
         summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
         log_to_parent(ref, summary["metrics"], summary["artifacts"])
     except BaseException:
@@ -304,7 +322,44 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=[d.value for d in Device], default=None, help="config device (default: the config's, auto); same as --set device=...")
     ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="config dtype (default: the config's, float32)")
     ap.add_argument("--system-metrics-interval", type=float, default=10.0, help="seconds between MLflow system-metric samples")
+    add_launch_args(ap)
     return ap
+
+
+def add_launch_args(ap: argparse.ArgumentParser) -> None:
+    """``--launch`` and the LaunchSpec fields (a3po.launch; docs/distributed.md), shared by the flows."""
+    g = ap.add_argument_group("launch (multi-process training; docs/distributed.md)")
+    g.add_argument("--launch", choices=[m.value for m in LaunchMode], default="local",
+                   help="local: in-process (default); torchrun / deepspeed: each training runs `python -m a3po.cli train` as launched ranks")
+    g.add_argument("--nproc-per-node", type=int, help="torchrun: processes (ranks) per node")
+    g.add_argument("--nnodes", type=int, help="torchrun: number of nodes")
+    g.add_argument("--node-rank", type=int, help="torchrun: this node's rank (each node runs the command with its own)")
+    g.add_argument("--launch-nodes", help="torchrun: comma-separated node ranks started by this command (loopback tests: 0,1)")
+    g.add_argument("--master-addr", help="rank 0's host (default 127.0.0.1)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free local port on one node)")
+    g.add_argument("--launch-hostfile", help="deepspeed: MPI-style hostfile ('host slots=N' lines), hosts reached by pdsh/ssh")
+    g.add_argument("--num-nodes", type=int, help="deepspeed: use the first N hosts of the hostfile")
+    g.add_argument("--num-gpus", type=int, help="deepspeed: ranks (GPUs) per host")
+    g.add_argument("--launch-include", help="deepspeed: resource filter, e.g. 'node-0@node-1:0,2'")
+    g.add_argument("--launch-devices", choices=["cpu", "cuda"], help="device kind the ranks use (recorded; cpu sets DS_ACCELERATOR=cpu)")
+    g.add_argument("--zero-stage", type=int, help="ZeRO stage of the DeepSpeed config the ranks use (recorded)")
+
+
+def launch_from_args(args: argparse.Namespace) -> str | dict[str, Any]:
+    """The flows' ``launch`` parameter from the flags: the mode name, or a dict of the fields given."""
+    fields = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
+              "nodes": _csv(args.launch_nodes, int) if args.launch_nodes else None, "master_addr": args.master_addr,
+              "master_port": args.master_port, "hostfile": args.launch_hostfile, "num_nodes": args.num_nodes,
+              "num_gpus": args.num_gpus, "include": args.launch_include, "devices": args.launch_devices, "zero_stage": args.zero_stage}
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return args.launch
+    spec = {"mode": args.launch, **given}
+    try:
+        launch_spec(spec)  # a bad combination fails here, naming the field, before any server starts
+    except ValueError as e:
+        raise SystemExit(f"--launch {args.launch}: {e}") from None
+    return spec
 
 
 def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -318,6 +373,7 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(), experiment=args.experiment,
         output_dir=args.output_dir, cache_dir=args.cache_dir, target_fraction=args.target_fraction,
         torch_threads=args.torch_threads, system_metrics_interval_s=args.system_metrics_interval,
+        launch=launch_from_args(args),
     )
 
 

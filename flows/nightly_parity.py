@@ -33,7 +33,8 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
 from a3po.config import Variant
-from flows.compare_variants import _csv, build_config, default_data_dir, parent_params, parse_sets, run_comparison
+from a3po.launch import launch_spec
+from flows.compare_variants import _csv, add_launch_args, build_config, default_data_dir, launch_from_args, launch_params, parent_params, parse_sets, run_comparison
 from tasks.parity import METRICS, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict, ParityResult
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
@@ -77,6 +78,7 @@ def nightly_parity(
     torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
     fail_on_regression: bool = False,
+    launch: str | dict[str, Any] = "local",
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
@@ -86,12 +88,13 @@ def nightly_parity(
     ``{"loglinear": {"advantage": "planted_negated"}}``). history: earlier nights in the trend.
     output_dir: default runs/nightly/<UTC date>. fail_on_regression: raise :class:`ParityRegression`
     on a fail verdict so the Prefect flow run ends Failed (the deployments set it; the command
-    line exits 1 instead).
+    line exits 1 instead). launch: "local" (in-process) or a LaunchSpec dict, as in compare_variants.
     """
     t0 = time.perf_counter()
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
+    spec = launch_spec(launch)
     base = build_config(preset, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
     out = Path(output_dir or f"runs/nightly/{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}").resolve()
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
@@ -100,12 +103,13 @@ def nightly_parity(
     commit = git_commit()
     flow_values = dict(preset=preset, seeds=seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
                        confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
+    launch_tags, launch_param = launch_params(spec)
     ref = open_parent_run(uri, experiment, f"nightly-{preset}", str(out),
-                          {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate},
-                          parent_params(base, **flow_values))
+                          {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags},
+                          {**parent_params(base, **flow_values), **launch_param})
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, 64, system_metrics_interval_s)
+                                 bench_limit, 64, system_metrics_interval_s, spec)
         summary = summarise(records, str(out / "summary"), TARGET_FRACTION, smooth_frac)
         results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
         trend = earlier_nights(uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
@@ -164,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--history", type=int, default=14, help="earlier nights to compare with")
     ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
+    add_launch_args(ap)
     return ap
 
 
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides or None, variant_overrides=per_variant or None, benchmarks=_csv(args.benchmarks),
             bench_limit=args.bench_limit or None, data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(),
             experiment=args.experiment, output_dir=args.output_dir, cache_dir=args.cache_dir, history=args.history,
-            torch_threads=args.torch_threads,
+            torch_threads=args.torch_threads, launch=launch_from_args(args),
         )
     print("\n" + res["table_md"] + "\n\n" + res["report_md"])
     print(f"trend: {res['trend_line']}")

@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
+from a3po.launch import LaunchSpec
 from a3po.metrics import NullLogger
 from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
 from tasks.runtime import run_logger
@@ -39,8 +41,10 @@ from tasks.tracking import (
     kill_stale_runs,
     last_logged_step,
     log_metrics_now,
+    log_params,
     prefect_ids,
 )
+from tasks.launch import LaunchRecord, launch_ranks
 
 
 @dataclass(frozen=True)
@@ -206,3 +210,121 @@ def train_variant(
         library_s=library_s,
         tracking_s=tracking_s,
     )
+
+
+# --- a variant x seed trained by launched ranks (``python -m a3po.cli train`` under torchrun / DeepSpeed) ---
+
+
+def cli_run_dir(run_dir: str | Path, cfg: TrainConfig) -> Path:
+    """Where ``a3po train --output-dir <run_dir>`` writes (checkpoints, metrics.jsonl, result.json, final/)."""
+    return Path(run_dir) / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
+
+
+def launched_argv(cfg: TrainConfig, run_dir: str | Path) -> list[str]:
+    rd = Path(run_dir)
+    # --variant always: the CLI's default would override the config's variant.
+    return ["-m", "a3po.cli", "train", "--config", str(rd / "config.yaml"), "--variant", cfg.rl.variant.value,
+            "--seed", str(cfg.rl.seed), "--output-dir", str(rd), "--no-progress"]
+
+
+def topology_tags(topology: dict[str, Any]) -> dict[str, str]:
+    return {f"a3po.launch.{k}": str(v) for k, v in topology.items()}
+
+
+@task(cache_policy=NO_CACHE)
+def prepare_launched_run(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, tracking: TrackingRef | None, topology: dict[str, Any]) -> str | None:
+    """Write the run's config YAML, point the CLI at the flow's warm start, open the child run
+    (tagged with the topology); returns its MLflow run id."""
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(rd / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # The CLI looks for its warm start in <output-dir>/cache/warmstart-<key>: a link to the flow's
+    # (same key, same weights) so no rank trains it again.
+    link = rd / "cache" / Path(warmstart.dir).name
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)  # a dangling link left by a deleted cache
+        link.symlink_to(warmstart.dir, target_is_directory=True)
+    if tracking is None:
+        return None
+    run_id, _ = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
+    client = client_for(tracking.tracking_uri)
+    log_params(client, run_id, {"launch": topology})
+    for k, v in topology_tags(topology).items():
+        client.set_tag(run_id, k, v)
+    return run_id
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict[str, float]]:
+    """Per-step metrics (steps 1..N) from the CLI's metrics.jsonl; a step logged twice (a
+    resumed run appends) keeps its last line. Errors name the file and line."""
+    by_step: dict[int, dict[str, float]] = {}
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = int(row.pop("step"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{i}: not a metrics line ({e})") from None
+        if step >= 1:
+            by_step[step] = row
+    missing = sorted(set(range(1, max(by_step, default=0) + 1)) - set(by_step))
+    if missing:
+        raise ValueError(f"{path}: steps {missing[:10]} missing")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@task(cache_policy=NO_CACHE)
+def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | None, run_id: str | None, launched: LaunchRecord) -> RunRecord:
+    """Read what the launched CLI wrote (result.json, metrics.jsonl) into a RunRecord and the child run."""
+    rd, out = Path(run_dir), cli_run_dir(run_dir, cfg)
+    result_path = out / "result.json"
+    if not result_path.exists():
+        raise FileNotFoundError(f"{result_path}: the launched ranks exited 0 but wrote no result")
+    result = json.loads(result_path.read_text())
+    # The eval curve holds the unrounded accuracies (the summary's are rounded to 4 places):
+    # its first point is the warm start, its last the final step (always evaluated).
+    (_, warmstart_acc), (_, final_acc) = result["eval_curve"][0], result["eval_curve"][-1]
+    history = read_metrics_jsonl(out / "metrics.jsonl")
+    history_path = rd / "history.jsonl"
+    atomic_write_text(history_path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(history)))
+    if run_id is not None:
+        client = client_for(tracking.tracking_uri)
+        logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id))
+        logger.ensure_history(history)
+        log_metrics_now(client, run_id, {
+            "final/heldout_acc": final_acc,
+            "final/reward": final_reward(history),
+            "final/train_wall_s": history[-1]["time/train_wall_s"] if history else 0.0,
+            "final/mean_step_time_s": sum(h["perf/step_time_s"] for h in history) / max(len(history), 1),
+            "launch/wall_s": launched.wall_s,
+        }, step=len(history))
+        client.set_tag(run_id, "a3po.resumed_from", str(result.get("resumed_from") or 0))
+        client.set_terminated(run_id, status="FINISHED")
+    return RunRecord(
+        variant=result["variant"], seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
+        history_path=str(history_path), mlflow_run_id=run_id, warmstart_acc=warmstart_acc,
+        final_acc=final_acc, steps=result["steps"], wall_s=result["wall_s"],
+        resumed_from=result.get("resumed_from"), library_s=launched.wall_s,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def mark_run_failed(tracking: TrackingRef, run_id: str) -> None:
+    client_for(tracking.tracking_uri).set_terminated(run_id, status="FAILED")
+
+
+def train_launched(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, tracking: TrackingRef | None, spec: LaunchSpec) -> RunRecord:
+    """The launched counterpart of :func:`train_variant` (called from a flow): config YAML ->
+    ``launch_ranks`` running ``python -m a3po.cli train`` -> the CLI's results -> the child run.
+    Re-running resumes (the CLI resumes from its checkpoints in the same run dir)."""
+    topology = spec.topology()
+    run_id = prepare_launched_run(cfg, run_dir, warmstart, tracking, topology)
+    try:
+        launched = launch_ranks(spec, launched_argv(cfg, run_dir))
+    except BaseException:
+        if run_id is not None:
+            mark_run_failed(tracking, run_id)
+        raise
+    return record_launched_run(cfg, run_dir, tracking, run_id, launched)
