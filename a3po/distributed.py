@@ -229,6 +229,11 @@ class LocalUpdater:
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if "ranks" in state:
+            raise ValueError(
+                f"the checkpoint was written by {state['world_size']} DeepSpeed ranks at ZeRO stage "
+                f"{state['zero_stage']}; resume it with the same distributed config and launch"
+            )
         self.optimizer.load_state_dict(state)
 
 
@@ -268,10 +273,12 @@ class DeepSpeedUpdater:
         return float(self.engine.get_global_grad_norm())
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Every rank's AdamW state (its ZeRO partition: plain tensors) gathered to rank 0, so one
-        atomic file holds the whole step. At scale each rank would write its own shard instead."""
-        parts = self.ranks.gather_to_main(self._optimizer.state_dict())
-        return {"world_size": self.ranks.world_size, "zero_stage": self.stage, "ranks": parts}
+        """Every rank's AdamW state and fp32 master weights (its ZeRO partition: the AdamW's own
+        parameters; under bf16 the module's weights are rounded copies of them), plain tensors,
+        gathered to rank 0 so one atomic file holds the whole step. At scale each rank would
+        write its own shard instead."""
+        mine = {"adamw": self._optimizer.state_dict(), "master": [p.detach().clone() for p in self._master()]}
+        return {"world_size": self.ranks.world_size, "zero_stage": self.stage, "ranks": self.ranks.gather_to_main(mine)}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "ranks" not in state:
@@ -281,7 +288,14 @@ class DeepSpeedUpdater:
                 f"the checkpoint's optimizer is partitioned for {state['world_size']} ranks at ZeRO stage "
                 f"{state['zero_stage']}; this run has {self.ranks.world_size} ranks at stage {self.stage}"
             )
-        self._optimizer.load_state_dict(state["ranks"][self.ranks.rank])
+        mine = state["ranks"][self.ranks.rank]
+        self._optimizer.load_state_dict(mine["adamw"])
+        with torch.no_grad():
+            for p, saved in zip(self._master(), mine["master"], strict=True):
+                p.copy_(saved)
+
+    def _master(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
 
 
 def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:

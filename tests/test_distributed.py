@@ -116,7 +116,7 @@ def runs(tmp_path_factory):
 
 def _assert_same_trajectory(a: dict, b: dict) -> None:
     ma, mb = _metrics(a), _metrics(b)
-    assert sorted(ma) == list(range(0, STEPS + 1)), sorted(ma)  # step 0 = warm-start evaluation
+    assert sorted(ma) == list(range(1, STEPS + 1)), sorted(ma)
     assert sorted(mb) == sorted(ma)
     losses = [ma[s]["loss/policy"] for s in range(1, STEPS + 1)]
     assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
