@@ -196,7 +196,7 @@ def rl_train(
     """RL-train ``policy`` in place; resumes from the latest checkpoint in ``ckpt_dir``.
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
-    alone evaluates, logs, reports progress and writes checkpoints (its result is complete)."""
+    alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints."""
     rl = cfg.rl
     ranks = init_ranks(cfg.distributed.deepspeed_config)
     logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
