@@ -50,19 +50,25 @@ def _train(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from a3po.data import BadRowError
-    from a3po.metrics import JsonlLogger
+    from a3po.distributed import init_ranks, read_deepspeed_json, zero_stage
+    from a3po.metrics import JsonlLogger, NullLogger
     from a3po.pipeline import prepare_warmstart, train_variant
 
     hf_logging.disable_progress_bar()
+    # Under torchrun every rank runs this command; rank 0 alone warm-starts, writes and prints.
+    ds_path = cfg.distributed.deepspeed_config
+    ranks = init_ranks(ds_path)
+    say = print if ranks.is_main else (lambda *a, **k: None)
+
     t0 = time.perf_counter()
     try:
-        ws_dir, ws_acc = prepare_warmstart(cfg, out / "cache")
+        ws_dir, ws_acc = ranks.from_main(prepare_warmstart(cfg, out / "cache") if ranks.is_main else None)
     except BadRowError as e:  # a dataset row named by file and line, read before any training
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
-    print(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
+    say(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
     run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
-    bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress or not ranks.is_main, dynamic_ncols=True)
 
     def progress(step: int, m: dict[str, float]) -> None:
         bar.n = step
@@ -73,8 +79,9 @@ def _train(argv: list[str]) -> int:
 
     from a3po.checkpoint import CheckpointError
 
+    logger = JsonlLogger(run_dir / "metrics.jsonl") if ranks.is_main else NullLogger()
     try:
-        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=JsonlLogger(run_dir / "metrics.jsonl"), progress=progress)
+        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=logger, progress=progress)
     except CheckpointError as e:  # damaged checkpoints: say which and why, without a traceback
         bar.close()
         print(f"a3po train: {e}", file=sys.stderr)
@@ -82,12 +89,16 @@ def _train(argv: list[str]) -> int:
     bar.n = cfg.rl.steps
     bar.close()
     wall = time.perf_counter() - t0
+    if not ranks.is_main:
+        return 0
     print(f"\nvariant {result.variant}  seed {result.seed}  steps {result.steps}")
     print("held-out accuracy by step: " + ", ".join(f"{s}:{a:.3f}" for s, a in result.eval_curve))
     print(f"warm start {result.warmstart_acc:.3f} -> final {result.final_acc:.3f}  "
           f"(RL {result.wall_s:.0f} s, command {wall:.0f} s; run dir {run_dir})")
     # wall_s: the whole command (warm start included); rl_wall_s: the RL loop with its evaluations.
-    print(json.dumps({**result.summary(), "rl_wall_s": round(result.wall_s, 2), "wall_s": round(wall, 2), "run_dir": str(run_dir)}))
+    stage = zero_stage(read_deepspeed_json(ds_path, cfg.rl.grad_clip)) if ds_path else None
+    print(json.dumps({**result.summary(), "rl_wall_s": round(result.wall_s, 2), "wall_s": round(wall, 2), "run_dir": str(run_dir),
+                      "world_size": ranks.world_size, "zero_stage": stage}))
     return 0
 
 

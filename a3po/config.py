@@ -179,11 +179,29 @@ def proximal_method_name(rl: RLConfig) -> str:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Data-parallel trainer ranks under DeepSpeed (see ``a3po.distributed``), launched by
+    ``torchrun ... -m a3po.cli train`` or the deepspeed launcher."""
+
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON holding the ZeRO stage (1 or 2) and precision, e.g.
+    ``infra/deepspeed_zero2.json``; null trains in one plain torch process. Batch sizes and
+    clipping come from ``rl.*``. Needs the ``distributed`` extra (``pip install -e '.[distributed]'``)."""
+
+    def __post_init__(self) -> None:
+        from a3po.distributed import INSTALL_HINT, deepspeed_available
+
+        if self.deepspeed_config is not None and not deepspeed_available():
+            raise ValueError(f"distributed.deepspeed_config is set but DeepSpeed is not installed: {INSTALL_HINT}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -200,6 +218,10 @@ class TrainConfig:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
                 raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
+        if self.distributed.deepspeed_config is not None:
+            from a3po.distributed import read_deepspeed_json
+
+            read_deepspeed_json(self.distributed.deepspeed_config, self.rl.grad_clip)  # raises naming the file and key
 
 
 class ConfigError(ValueError):

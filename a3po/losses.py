@@ -29,6 +29,7 @@ def decoupled_ppo_loss(
     eps_clip: float = 0.2,
     eps_clip_high: float | None = None,
     behav_weight_cap: float | None = None,
+    n_tokens: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO clipped loss (Hilton et al., 2022, eq. 4; AReaL, Fu et al., 2025, eq. 5).
 
@@ -44,6 +45,9 @@ def decoupled_ppo_loss(
     sets it larger). With ``prox_logp == behav_logp`` this is standard PPO-clip.
 
     Args are ``(B, T)`` tensors; ``advantages`` may also be ``(B,)`` (one per sequence).
+    ``n_tokens`` replaces ``mask.sum()`` as the denominator of the loss (not of the metrics):
+    a data-parallel rank passes the whole minibatch's token count, so the ranks' losses add up
+    to the token mean of the minibatch.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -71,7 +75,8 @@ def decoupled_ppo_loss(
     if behav_weight_cap is not None:
         keep = mask & (behav_w <= behav_weight_cap)
     per_token = per_token * behav_w * keep.to(logp.dtype)
-    loss = per_token.sum() / fmask.sum().clamp(min=1)
+    denom = fmask.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=logp.dtype)
+    loss = per_token.sum() / denom.clamp(min=1)
 
     with torch.no_grad():
         r = ratio[mask]

@@ -22,6 +22,7 @@ from a3po.arithmetic import WORDS
 from a3po.config import TrainConfig
 from a3po.data import load_rows
 from a3po.devices import resolve_device
+from a3po.distributed import ranks_from_env
 from a3po.evaluate import evaluate_heldout
 from a3po.metrics import MetricLogger
 from a3po.models import TINY_ARCHS, build_tiny_model, load_pretrained
@@ -106,6 +107,8 @@ def train_variant(
         cfg, model, tokenizer, train_rows, heldout_rows,
         ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
     )
+    if not ranks_from_env().is_main:
+        return result  # trainer ranks other than 0 write nothing
     save_pretrained_atomic(model, tokenizer, run_dir / "final")
     (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
     return result

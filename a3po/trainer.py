@@ -19,6 +19,7 @@ from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkp
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
 from a3po.devices import model_device, model_dtype, synchronize
+from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
@@ -35,13 +36,19 @@ def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
 
 def train_step(
     policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Updater,
     scored: ScoredBatch,
     version: int,
     cfg: RLConfig,
     method: ProximalMethod,
+    ranks: Ranks = Ranks(),
 ) -> dict[str, float]:
-    """One policy update on one (possibly stale) batch; returns the step's metrics."""
+    """One policy update on one (possibly stale) batch; returns the step's metrics.
+
+    ``optimizer`` is a torch optimizer (one process) or an :class:`a3po.distributed.Updater`;
+    under data parallelism every rank holds the whole batch and trains on its shard of each
+    minibatch, and the metrics are those of the whole minibatch on every rank."""
+    updater = LocalUpdater(policy, optimizer, cfg.grad_clip) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     t_start = time.perf_counter()
     batch, rewards = scored.rollout, scored.rewards
     ids, attn, resp = batch.input_ids, batch.attention_mask, batch.response_mask
@@ -72,28 +79,38 @@ def train_step(
     step_metrics: list[dict[str, float]] = []
     entropy_sum, entropy_n = 0.0, 0
     for mb in perm.chunk(cfg.minibatches):
-        logp, ent = token_logprobs(policy, ids[mb], attn[mb], cfg.temperature, return_entropy=True)
+        rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
+        logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True)
         synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
         t0 = time.perf_counter()
         prox, prox_metrics = method(
             ProxInputs(
-                behav_logp=batch.behav_logp[mb],
+                behav_logp=batch.behav_logp[rows],
                 theta_logp=logp.detach(),
-                staleness=staleness[mb],
-                mask=resp[mb],
-                recompute_logp=lambda mb=mb: exact_prox[mb],
+                staleness=staleness[rows],
+                mask=resp[rows],
+                recompute_logp=lambda rows=rows: exact_prox[rows],
             )
         )
         synchronize(device)
         prox_time += time.perf_counter() - t0
+        # Token mean over the whole minibatch, whatever the number of ranks sharing it.
+        n_tokens = ranks.sum(resp[rows].sum())
         loss, loss_metrics = decoupled_ppo_loss(
-            logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap
+            logp, prox, batch.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
+            n_tokens=n_tokens,
         )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        optimizer.step()
-        step_metrics.append({**loss_metrics, **prox_metrics, "policy/grad_norm": float(grad_norm)})
+        grad_norm = updater.update(loss)
+        if ranks.world_size > 1:
+            # Metrics of the whole minibatch as one process computes them (a p99 does not reduce).
+            logp, ent = ranks.gather_rows(logp.detach()), ranks.gather_rows(ent)
+            prox, prox_metrics = method(
+                ProxInputs(batch.behav_logp[mb], logp, staleness[mb], resp[mb], recompute_logp=lambda mb=mb: exact_prox[mb])
+            )
+            _, loss_metrics = decoupled_ppo_loss(
+                logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap
+            )
+        step_metrics.append({**loss_metrics, **prox_metrics, "policy/grad_norm": grad_norm})
         entropy_sum += ent[resp[mb]].sum().item()
         entropy_n += int(resp[mb].sum())
     policy.eval()
@@ -120,6 +137,19 @@ def train_step(
         }
     )
     return metrics
+
+
+def save_rank_checkpoint(
+    ckpt_dir: str, step: int, policy: torch.nn.Module, updater: Updater, ranks: Ranks, extra: dict, keep: int
+) -> str | None:
+    """Every rank calls this (the optimizer state is a collective under DeepSpeed); rank 0 alone
+    writes the step's one atomic file: the policy (ZeRO-1/2 keep full weights on every rank),
+    every rank's optimizer partition, and ``extra``. Returns the file on rank 0, None elsewhere."""
+    optimizer_state = updater.optimizer_state()
+    if not ranks.is_main:
+        return None
+    state = {"step": step, "policy": policy.state_dict(), "optimizer": optimizer_state, **extra}
+    return str(save_checkpoint(ckpt_dir, step, state, keep=keep))
 
 
 def learning_rate(rl: RLConfig, step: int) -> float:
@@ -173,12 +203,16 @@ def rl_train(
 ) -> TrainResult:
     """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
     (raises :class:`~a3po.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
-    intact) and rewinds ``logger`` to the checkpoint's step."""
+    intact) and rewinds ``logger`` to the checkpoint's step.
+
+    Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
+    alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints."""
     rl = cfg.rl
-    logger = logger or NullLogger()
+    ranks = init_ranks(cfg.distributed.deepspeed_config)
+    logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
+    progress = progress if ranks.is_main else None
     s = effective_max_staleness(rl)
     method = PROXIMAL_METHODS.get(proximal_method_name(rl))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
     store = WeightStore(keep=s + 2)
     history: list[dict[str, float]] = []
     eval_curve: list[tuple[int, float]] = []
@@ -187,17 +221,18 @@ def rl_train(
 
     skipped: list[str] = []
     found = load_latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
-    ckpt = found[0] if found else None
-    if found is not None:
-        state = found[1]
+    ckpt, state = found if found is not None else (None, None)
+    if state is not None:
         changed = config_differences(state["config"], config_to_dict(cfg))
         if changed:  # resuming would splice two different runs into one history
             raise CheckpointError(
                 f"{ckpt} was saved by a run with a different config ({', '.join(changed)} differ); "
                 f"resume it with the same config, or use another output dir (or delete {ckpt_dir} to start over)"
             )
-        policy.load_state_dict(state["policy"])
-        optimizer.load_state_dict(state["optimizer"])
+        policy.load_state_dict(state["policy"])  # before DeepSpeed copies the weights into its partitions
+    updater = make_updater(policy, rl, cfg.distributed.deepspeed_config, ranks)
+    if state is not None:
+        updater.load_optimizer_state(state["optimizer"])
         for v, w in sorted(state["weights_history"].items()):
             store.publish(v, w)
         start = resumed_from = state["step"]
@@ -207,7 +242,7 @@ def rl_train(
     if store.latest < start:
         store.publish(start, clone_state(policy))
     if warmstart_acc is None:
-        ws_eval = evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
+        ws_eval = ranks.from_main(evaluate_heldout(policy, tokenizer, heldout_rows, cfg) if ranks.is_main else None)
         warmstart_acc = ws_eval["eval/heldout_acc"]
         logger.log_metrics(ws_eval, 0)
     if not eval_curve:
@@ -245,14 +280,13 @@ def rl_train(
             wait = time.perf_counter() - t0
             if scored.index != step:
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(rl, step)
-            metrics = train_step(policy, optimizer, scored, step, rl, method)
+            updater.set_lr(learning_rate(rl, step))
+            metrics = train_step(updater.model, updater, scored, step, rl, method, ranks)
             store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                held = evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
+                held = ranks.from_main(evaluate_heldout(policy, tokenizer, heldout_rows, cfg) if ranks.is_main else None)
                 eval_curve.append((step + 1, held["eval/heldout_acc"]))
                 metrics.update(held)
             history.append(metrics)
@@ -260,25 +294,24 @@ def rl_train(
             if progress is not None:
                 progress(step + 1, metrics)
             if ckpt_dir and ((step + 1) % rl.checkpoint_every == 0 or step + 1 == rl.steps):
-                last_ckpt = str(
-                    save_checkpoint(
-                        ckpt_dir,
-                        step + 1,
-                        {
-                            "step": step + 1,
-                            "policy": policy.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            # Versions the producer still needs to regenerate the in-flight batches.
-                            "weights_history": store.history(since=step + 1 - s),
-                            "history": history,
-                            "eval_curve": eval_curve,
-                            "train_wall_s": train_wall,
-                            "warmstart_acc": warmstart_acc,
-                            "config": config_to_dict(cfg),
-                        },
-                        keep=rl.keep_checkpoints,
-                    )
+                saved = save_rank_checkpoint(
+                    ckpt_dir,
+                    step + 1,
+                    policy,
+                    updater,
+                    ranks,
+                    {
+                        # Versions the producer still needs to regenerate the in-flight batches.
+                        "weights_history": store.history(since=step + 1 - s),
+                        "history": history,
+                        "eval_curve": eval_curve,
+                        "train_wall_s": train_wall,
+                        "warmstart_acc": warmstart_acc,
+                        "config": config_to_dict(cfg),
+                    },
+                    keep=rl.keep_checkpoints,
                 )
+                last_ckpt = saved or last_ckpt
     finally:
         producer.stop()
         producer.join(timeout=30)

@@ -1,0 +1,308 @@
+"""Trainer ranks: data-parallel training under DeepSpeed, and the single process as world size 1.
+
+Rank plumbing is read from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``: torchrun and the deepspeed launcher set them), nanoGPT style:
+one process is the same code with ``world_size == 1`` and every collective is then the identity.
+
+The design of the data-parallel step (``a3po.trainer.train_step``):
+
+* every rank runs the same deterministic rollout producer (same seed, same batches), so all
+  ranks hold the whole batch; each takes a contiguous shard of every minibatch's rows;
+* each rank's loss is its tokens' share of the token mean over the *whole* minibatch (the
+  denominator is the all-reduced token count), and DeepSpeed averages gradients over ranks, so
+  :class:`DeepSpeedUpdater` scales the loss by the world size: the reduced gradient is then the
+  gradient of the single-process loss, whatever the number of ranks;
+* metrics are computed on the whole minibatch after gathering the shards' detached log-probs,
+  exactly as one process computes them (a p99 does not reduce from per-rank figures).
+
+The optimizer step sits behind :class:`Updater`: :class:`LocalUpdater` is today's torch AdamW +
+``clip_grad_norm_``; :class:`DeepSpeedUpdater` wraps the policy and the same AdamW with
+``deepspeed.initialize`` (``engine.backward`` / ``engine.step``). The DeepSpeed JSON holds ZeRO
+stage and precision; batch sizes and clipping are derived from ``rl.*`` here, not duplicated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
+
+INSTALL_HINT = "pip install -e '.[distributed]'"
+SUPPORTED_ZERO_STAGES = (1, 2)
+# Keys the trainer derives (from rl.*) or owns (optimizer, lr schedule): a JSON setting them would
+# silently disagree with the config, so it is refused.
+_DERIVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_OWNED_KEYS = ("optimizer", "scheduler")
+
+
+def deepspeed_available() -> bool:
+    """Whether ``import deepspeed`` can succeed, without paying for the import (seconds)."""
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def read_deepspeed_json(path: str | Path, grad_clip: float) -> dict[str, Any]:
+    """Load and check a DeepSpeed JSON for the trainer; errors name the file and the key."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"distributed.deepspeed_config: {p} does not exist")
+    try:
+        ds = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"{p}: expected a JSON object at the top level")
+    for key in _DERIVED_KEYS:
+        if key in ds:
+            raise ValueError(f"{p}: '{key}' is derived from rl.batch_prompts x rl.group_size / rl.minibatches and the world size; remove it")
+    for key in _OWNED_KEYS:
+        if key in ds:
+            raise ValueError(f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule a3po.trainer.learning_rate); remove it")
+    if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != float(grad_clip):
+        raise ValueError(f"{p}: gradient_clipping {ds['gradient_clipping']} disagrees with rl.grad_clip {grad_clip}; remove it or make them equal")
+    stage = zero_stage(ds)
+    if stage == 3:
+        raise ValueError(
+            f"{p}: ZeRO stage 3 is not supported: it partitions the parameters, and the rollout copy, "
+            "the held-out evaluation on rank 0 and the checkpoint read the full weights (they would need "
+            "deepspeed.zero.GatheredParameters); use stage 1 or 2"
+        )
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise ValueError(f"{p}: zero_optimization.stage must be one of {SUPPORTED_ZERO_STAGES}, got {stage!r}")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ValueError(f"{p}: fp16 is not supported (dynamic loss scaling skips steps); use bf16 or fp32")
+    return ds
+
+
+def zero_stage(ds: Mapping[str, Any]) -> int:
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the trainer ranks; collectives are identities at world size 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes checkpoints, metrics files, the export, and prints."""
+        return self.rank == 0
+
+    def shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of a minibatch's row indices (all of them in one process).
+        Contiguous, so gathering the shards in rank order restores the minibatch's order."""
+        if self.world_size == 1:
+            return rows
+        if len(rows) % self.world_size:
+            raise ValueError(f"a minibatch of {len(rows)} rows does not split over {self.world_size} ranks")
+        return rows.chunk(self.world_size)[self.rank]
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        x = x.detach().clone()
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
+        return x
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (same shape on all ranks) along dim 0, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.detach().contiguous())
+        return torch.cat(parts, dim=0)
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` as a list on rank 0 (None elsewhere). Pickled in memory between
+        the ranks of this run only; nothing here is read from disk."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
+    """Rank and world size as the launcher set them; no variables means one process."""
+    try:
+        rank = int(environ.get("RANK", 0))
+        world = int(environ.get("WORLD_SIZE", 1))
+        local = int(environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise ValueError(
+            f"RANK / WORLD_SIZE / LOCAL_RANK must be integers, got {environ.get('RANK')!r} / "
+            f"{environ.get('WORLD_SIZE')!r} / {environ.get('LOCAL_RANK')!r}"
+        ) from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    return Ranks(rank, world, local)
+
+
+def init_ranks(deepspeed_config: str | None) -> Ranks:
+    """Join the trainer ranks (idempotent). Without a DeepSpeed config this is one plain process,
+    and a launch of several ranks is refused: they would train independent copies into one folder."""
+    ranks = ranks_from_env()
+    if deepspeed_config is None:
+        if ranks.world_size > 1:
+            raise RuntimeError(
+                f"launched as {ranks.world_size} ranks (WORLD_SIZE) but distributed.deepspeed_config is null: "
+                "set it (e.g. infra/deepspeed_zero2.json) or launch one process"
+            )
+        return ranks
+    if "MASTER_ADDR" not in os.environ and ranks.world_size == 1:
+        # DeepSpeed without a launcher (one rank, e.g. `a3po train --config ds.yaml`): a private
+        # loopback rendezvous, so init does not go looking for MPI.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # gloo with DS_ACCELERATOR=cpu, nccl on CUDA: the accelerator names its own backend.
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    return ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Updater(Protocol):
+    """One optimizer update per minibatch loss; ``model`` is what the forward passes call."""
+
+    model: torch.nn.Module
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def update(self, loss: torch.Tensor) -> float:
+        """Backward, clip, step; returns the gradient norm before clipping."""
+        ...
+
+    def optimizer_state(self) -> Any:
+        """For the checkpoint (a collective under DeepSpeed: every rank calls it)."""
+        ...
+
+    def load_optimizer_state(self, state: Any) -> None: ...
+
+
+class LocalUpdater:
+    """One process: torch AdamW and ``clip_grad_norm_`` (the trainer's original calls, in order)."""
+
+    def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> None:
+        self.model, self.optimizer, self.grad_clip = policy, optimizer, grad_clip
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def update(self, loss: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return float(grad_norm)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if "ranks" in state:
+            raise ValueError(
+                f"the checkpoint was written by {state['world_size']} DeepSpeed ranks at ZeRO stage "
+                f"{state['zero_stage']}; resume it with the same distributed config and launch"
+            )
+        self.optimizer.load_state_dict(state)
+
+
+class DeepSpeedUpdater:
+    """The policy and a torch AdamW wrapped by ``deepspeed.initialize`` (ZeRO stage 1 or 2)."""
+
+    def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int, grad_clip: float, ranks: Ranks) -> None:
+        import deepspeed
+
+        if minibatch_rows % ranks.world_size:
+            raise ValueError(
+                f"rl.batch_prompts x rl.group_size / rl.minibatches = {minibatch_rows} rows per minibatch "
+                f"do not split over {ranks.world_size} ranks"
+            )
+        config = {
+            **ds,
+            # One engine.step per minibatch, each rank holding its shard of it.
+            "train_batch_size": minibatch_rows,
+            "train_micro_batch_size_per_gpu": minibatch_rows // ranks.world_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": grad_clip,
+        }
+        self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
+        self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
+        self.model = self.engine
+
+    def set_lr(self, lr: float) -> None:
+        # Under ZeRO the client AdamW steps this rank's flat fp32 partition; its groups carry the rate.
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+
+    def update(self, loss: torch.Tensor) -> float:
+        # The loss is this rank's share of the whole minibatch's token mean; DeepSpeed averages
+        # gradients over ranks, so scale by the world size to reduce to the sum (= the mean's gradient).
+        self.engine.backward(loss * self.ranks.world_size)
+        self.engine.step()
+        return float(self.engine.get_global_grad_norm())
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Every rank's AdamW state and fp32 master weights (its ZeRO partition: the AdamW's own
+        parameters; under bf16 the module's weights are rounded copies of them), plain tensors,
+        gathered to rank 0 so one atomic file holds the whole step. At scale each rank would
+        write its own shard instead."""
+        mine = {"adamw": self._optimizer.state_dict(), "master": [p.detach().clone() for p in self._master()]}
+        return {"world_size": self.ranks.world_size, "zero_stage": self.stage, "ranks": self.ranks.gather_to_main(mine)}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "ranks" not in state:
+            raise ValueError("the checkpoint's optimizer state was written by a single-process run; resume it without DeepSpeed")
+        if (state["world_size"], state["zero_stage"]) != (self.ranks.world_size, self.stage):
+            raise ValueError(
+                f"the checkpoint's optimizer is partitioned for {state['world_size']} ranks at ZeRO stage "
+                f"{state['zero_stage']}; this run has {self.ranks.world_size} ranks at stage {self.stage}"
+            )
+        mine = state["ranks"][self.ranks.rank]
+        self._optimizer.load_state_dict(mine["adamw"])
+        with torch.no_grad():
+            for p, saved in zip(self._master(), mine["master"], strict=True):
+                p.copy_(saved)
+
+    def _master(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
+
+
+def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:
+    """The trainer's AdamW (weight decay 0; the rate is set per step) behind the right updater."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
+    if deepspeed_config is None:
+        return LocalUpdater(policy, optimizer, rl.grad_clip)
+    ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)
+    rows = rl.batch_prompts * rl.group_size // rl.minibatches
+    return DeepSpeedUpdater(policy, optimizer, ds, rows, rl.grad_clip, ranks)
