@@ -161,6 +161,8 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs):
     import psutil
     import torch
 
+    from a3po.checkpoint import latest_checkpoint, load_checkpoint
+
     tmp, out = runs["tmp"], runs["tmp"] / "killed"
     config = _config(tmp, 2)
     proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -182,9 +184,9 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs):
     assert proc.returncode != 0, "the killed run reported success"
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < STEPS, f"the run finished (step {killed_at}) before rank 1 was killed"
-    # The checkpoint holds no DeepSpeed pickle: it loads with weights_only=True, and carries
-    # both ranks' optimizer partitions.
-    state = torch.load(latest.parent / json.loads(latest.read_text())["file"], weights_only=True)
+    # The checkpoint holds no DeepSpeed pickle: it loads through the safe loader (hashes checked,
+    # tensors with weights_only=True), and carries both ranks' optimizer partitions.
+    state = load_checkpoint(latest_checkpoint(latest.parent))
     assert (state["optimizer"]["world_size"], len(state["optimizer"]["ranks"])) == (2, 2)
 
     resumed = _train(config, out, nproc=2)
