@@ -1,6 +1,17 @@
-"""``a3po`` command line: ``a3po train`` runs one variant on a preset or YAML config;
-``a3po eval`` evaluates a checkpoint on GSM8K / MATH500 / AIME24 (see ``eval/cli.py``).
-Every command ends with one JSON line of its key figures."""
+"""``a3po`` command line, one tool with subcommands (``a3po --help`` lists them):
+
+    a3po train     one variant on a preset or YAML config (below)
+    a3po eval      a checkpoint on GSM8K / MATH500 / AIME24 (``eval/cli.py``)
+    a3po compare   the comparison flow (``flows/compare_variants.py``, same options)
+    a3po nightly   the nightly parity flow (``flows/nightly_parity.py``, same options)
+    a3po bench     a benchmark of ``bench/`` by name (``python -m bench.<name>``)
+    a3po serve     the team-mode servers (``infra/start_*.sh``)
+
+Every command ends with one JSON line of its key figures. Each subcommand imports what it runs
+only when it runs (``a3po --help`` stays fast). The CLI is the top of the stack, so the
+``compare`` / ``nightly`` subcommands import ``flows`` inside their functions: the library
+itself never imports flows, Prefect or MLflow.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +19,9 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 def _train(argv: list[str]) -> int:
@@ -108,13 +121,63 @@ def _eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _compare(argv: list[str]) -> int:
+    from flows.compare_variants import main as compare_main  # flows import Prefect: only when run
+
+    return compare_main(argv, prog="a3po compare")
+
+
+def _nightly(argv: list[str]) -> int:
+    from flows.nightly_parity import main as nightly_main
+
+    return nightly_main(argv, prog="a3po nightly")
+
+
+def _bench(argv: list[str]) -> int:
+    import bench  # the package only: its modules are found by name, and imported when run
+
+    return bench.main(argv, prog="a3po bench")
+
+
+def _serve(argv: list[str]) -> int:
+    from a3po.team_servers import main as serve_main
+
+    return serve_main(argv)
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str  # one line in `a3po --help`
+    run: Callable[[list[str]], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train one variant (sync, recompute, loglinear) on a preset or YAML config", _train),
+    "eval": Command("evaluate a checkpoint on GSM8K / MATH500 / AIME24", _eval),
+    "compare": Command("compare the variants end to end (Prefect flow, tracked in MLflow)", _compare),
+    "nightly": Command("nightly convergence parity of loglinear vs recompute and sync (exit 1 on fail)", _nightly),
+    "bench": Command("run a benchmark of bench/ by name (a3po bench --help lists them)", _bench),
+    "serve": Command("team-mode servers: MLflow on PostgreSQL and the Prefect server (infra/)", _serve),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    return ("usage: a3po <command> [options]     (a3po <command> --help: its options)\n\n"
+            "Asynchronous RL post-training: sync, recompute and loglinear (A-3PO).\n\ncommands:\n" + "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train, "eval": _eval}
-    if not argv or argv[0] not in commands:
-        print(f"usage: a3po {{{','.join(commands)}}} [options]   (a3po <command> --help)", file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        got = f"unknown command {argv[0]!r}" if argv else "a command is required"
+        print(f"{usage()}\n\na3po: error: {got}", file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    return COMMANDS[argv[0]].run(argv[1:])
 
 
 if __name__ == "__main__":

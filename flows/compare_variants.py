@@ -24,6 +24,7 @@ figures.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import sys
@@ -41,7 +42,8 @@ from a3po.devices import Device, DType
 from a3po.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
-from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
+from tasks.links import RunLinks, tag_run_links
+from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, log_evaluation, log_to_parent, open_parent_run
 from tasks.training import run_dir_for, topology_tags, train_launched, train_variant, warm_start, warmstart_ready
@@ -180,7 +182,8 @@ def compare_variants(
     loglinear's approximation error). benchmarks / bench_limit / bench_max_new_tokens / data_dir:
     benchmark evaluation (skipped, and recorded, when data_dir lacks the files).
     tracking_uri: MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db).
-    output_dir: run dirs (default runs/compare-<preset>); re-running resumes. cache_dir: dataset
+    output_dir: run dirs (default runs/compare-<preset>); re-running resumes; ``{date}`` in it
+    becomes the UTC date (a scheduled comparison trains afresh each time). cache_dir: dataset
     and warm-start cache (default <output_dir>/cache). target_fraction / smooth_frac: see
     tasks.summary. torch_threads: overrides the config's ``torch_threads`` (intra-op threads of
     each of the trainer's two Python threads; the library's default 1 suits 2 cores).
@@ -193,7 +196,8 @@ def compare_variants(
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     for v in variants:
         Variant(v)  # raises on an unknown name
-    out = Path(output_dir or f"runs/compare-{preset}").resolve()
+    # '{date}' gives each scheduled run its own dir (a re-run the same day resumes, like nightly's).
+    out = Path((output_dir or f"runs/compare-{preset}").replace("{date}", f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")).resolve()
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
     data_dir = data_dir if data_dir is not None else default_data_dir()
@@ -206,13 +210,14 @@ def compare_variants(
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
                                  bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec)
+        links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
         summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
         log_to_parent(ref, summary["metrics"], summary["artifacts"])
     except BaseException:
         close_parent_run(ref, "FAILED")
         raise
     close_parent_run(ref, "FINISHED")
-    return result_of(ref, out, base, records, summary, time.perf_counter() - t0)
+    return {**result_of(ref, out, base, records, summary, time.perf_counter() - t0), "links": links}
 
 
 def result_of(ref: TrackingRef, out: Path, base: TrainConfig, records: list[dict], summary: dict, wall_s: float) -> dict[str, Any]:
@@ -241,7 +246,8 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
         for k in ("final_acc", "final_reward", "mean_step_time_s", "time_to_target_s"):
             figs[f"{r['variant']}/{k}"] = None if r[k] is None else round(r[k], 4)
     figs.update({k: round(v, 4) for k, v in result["summary"]["metrics"].items() if k.startswith("speedup/")})
-    figs.update({"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"], "wall_s": round(result["wall_s"], 1)})
+    figs.update({"parent_run_id": result["parent_run_id"], "parent_run_url": result["links"]["parent_run"],
+                 "tracking_uri": result["tracking_uri"], "wall_s": round(result["wall_s"], 1)})
     return figs
 
 
@@ -296,8 +302,8 @@ def _csv(s: str, cast=str) -> list:
     return [cast(x) for x in s.split(",") if x.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flows.compare_variants", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="tiny (learns in minutes on CPU) or micro (seconds; nothing learns)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of sync,recompute,loglinear")
     ap.add_argument("--seeds", default="0", help="comma-separated RL seeds, e.g. 0,1,2")
@@ -386,8 +392,8 @@ def check_configs(kwargs: dict[str, Any]) -> None:
         variant_config(base, variant, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_variants") -> int:
+    args = build_parser(prog).parse_args(argv)
     kwargs = kwargs_from_args(args)
     try:
         check_configs(kwargs)
@@ -401,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     print(f"\nartifacts: {result['output_dir']}/summary   run dirs: {result['output_dir']}")
     print(f"MLflow parent run {result['parent_run_id']} in {result['tracking_uri']}")
-    print(f"open it with: {ui_hint(result['tracking_uri'])}")
+    print("\n".join(RunLinks(**result["links"]).lines()))
     figs = key_figures(result)
     figs["prefect_server_startup_s"] = round(api["startup_s"], 1)
     print(json.dumps(figs), flush=True)

@@ -36,7 +36,8 @@ from a3po.config import Variant
 from a3po.launch import launch_spec
 from flows.compare_variants import _csv, add_launch_args, build_config, default_data_dir, launch_from_args, launch_params, parent_params, parse_sets, run_comparison
 from tasks.parity import METRICS, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict, ParityResult
-from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
+from tasks.links import RunLinks, tag_run_links
+from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import close_parent_run, log_to_parent, open_parent_run
 
@@ -79,13 +80,15 @@ def nightly_parity(
     system_metrics_interval_s: float = 10.0,
     fail_on_regression: bool = False,
     launch: str | dict[str, Any] = "local",
+    config: str | None = None,
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
     tolerance: largest acceptable shortfall of the candidate, in the metric's units.
-    overrides / variant_overrides: as in compare_variants (e.g. a planted regression:
-    ``{"loglinear": {"advantage": "planted_negated"}}``). history: earlier nights in the trend.
+    config: YAML TrainConfig laid over the preset. overrides / variant_overrides: as in
+    compare_variants (e.g. a planted regression: ``{"loglinear": {"advantage": "planted_negated"}}``).
+    history: earlier nights in the trend.
     output_dir: default runs/nightly/<UTC date>. fail_on_regression: raise :class:`ParityRegression`
     on a fail verdict so the Prefect flow run ends Failed (the deployments set it; the command
     line exits 1 instead). launch: "local" (in-process) or a LaunchSpec dict, as in compare_variants.
@@ -95,7 +98,7 @@ def nightly_parity(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
     spec = launch_spec(launch)
-    base = build_config(preset, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
+    base = build_config(preset, config, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
     out = Path(output_dir or f"runs/nightly/{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}").resolve()
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
@@ -110,6 +113,7 @@ def nightly_parity(
     try:
         records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
                                  bench_limit, 64, system_metrics_interval_s, spec)
+        links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
         summary = summarise(records, str(out / "summary"), TARGET_FRACTION, smooth_frac)
         results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
         trend = earlier_nights(uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
@@ -137,6 +141,7 @@ def nightly_parity(
         "table_md": summary["table_md"],
         "runs": records,
         "parent_run_id": ref.parent_run_id,
+        "links": links,
         "experiment_id": ref.experiment_id,
         "tracking_uri": uri,
         "output_dir": str(out),
@@ -145,9 +150,10 @@ def nightly_parity(
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flows.nightly_parity", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--config", help="YAML TrainConfig laid over the preset")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds (K)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--candidate", default="loglinear")
@@ -172,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_parity") -> int:
+    args = build_parser(prog).parse_args(argv)
     overrides, per_variant = parse_sets(args.set)
     with prefect_api() as api:
         res = nightly_parity(
@@ -183,16 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides or None, variant_overrides=per_variant or None, benchmarks=_csv(args.benchmarks),
             bench_limit=args.bench_limit or None, data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(),
             experiment=args.experiment, output_dir=args.output_dir, cache_dir=args.cache_dir, history=args.history,
-            torch_threads=args.torch_threads, launch=launch_from_args(args),
+            torch_threads=args.torch_threads, launch=launch_from_args(args), config=args.config,
         )
     print("\n" + res["table_md"] + "\n\n" + res["report_md"])
     print(f"trend: {res['trend_line']}")
-    print(f"parity: {res['verdict'].upper()}   MLflow parent run {res['parent_run_id']}; open with: {ui_hint(res['tracking_uri'])}")
+    print(f"parity: {res['verdict'].upper()}   MLflow parent run {res['parent_run_id']} in {res['tracking_uri']}")
+    print("\n".join(RunLinks(**res["links"]).lines()))
     figs = {"verdict": res["verdict"], "git_commit": res["git_commit"]}
     for r in res["results"]:
         tag = f"{r['candidate']}_vs_{r['reference']}"
         figs.update({f"{tag}/mean_diff": round(r["mean_diff"], 4), f"{tag}/ci_low": round(r["ci_low"], 4), f"{tag}/pass": r["passed"]})
-    figs.update({"earlier_nights": len(res["trend"]), "parent_run_id": res["parent_run_id"], "wall_s": round(res["wall_s"], 1),
+    figs.update({"earlier_nights": len(res["trend"]), "parent_run_id": res["parent_run_id"], "parent_run_url": res["links"]["parent_run"], "wall_s": round(res["wall_s"], 1),
                  "prefect_server_startup_s": round(api["startup_s"], 1)})
     print(json.dumps(figs), flush=True)
     return 0 if res["verdict"] == "pass" else 1

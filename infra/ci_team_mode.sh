@@ -154,8 +154,42 @@ runs = mlflow.search_runs(experiment_names=["ci-team-nightly"], filter_string="t
 assert len(runs) == 1 and runs.iloc[0]["tags.parity"] == "pass", runs
 EOF
   worker_s=$(( $(date +%s) - t_w )); nightly="pass"
+
+  # The weekly comparison deployment (infra/prefect.yaml, cron 0 3 * * 0) registered by
+  # infra/deploy.py, one run of it by a process worker: completed in Prefect, its parent run
+  # in MLflow with one child run and the link tags pointing at this MLflow server.
+  a3po_log "comparison deployment + one run by a process worker"
+  t_c=$(date +%s)
+  python infra/deploy.py compare-variants --pool a3po-ci --run-now --param preset=micro --param 'variants=["loglinear"]' \
+    --param 'seeds=[0]' --param steps=4 --param 'benchmarks=[]' --param experiment='"ci-team-compare"' \
+    --param "output_dir=\"$WORK/compare-dep/{date}\"" >"$WORK/deploy-compare.log" 2>&1
+  dep_c=$(tail -1 "$WORK/deploy-compare.log")
+  A3PO_WORK_POOL=a3po-ci timeout 600 "$here/start_worker.sh" --run-once >"$WORK/worker-compare.log" 2>&1
+  compare_dep=$(python - "$dep_c" "$MLFLOW_TRACKING_URI" <<'EOF'
+import json, sys
+import mlflow
+from prefect.client.orchestration import get_client
+
+dep, ui = json.loads(sys.argv[1]), sys.argv[2]
+assert dep["cron"] == ["0 3 * * 0"] and dep["timezone"] == "UTC", dep
+with get_client(sync_client=True) as pc:
+    state = pc.read_flow_run(dep["flow_run_id"]).state
+    assert state.is_completed(), state
+runs = mlflow.search_runs(experiment_names=["ci-team-compare"])
+parent = runs[runs["tags.a3po.role"] == "parent"]
+child = runs[runs["tags.a3po.role"] == "child"]
+assert len(parent) == 1 and len(child) == 1 and set(runs["status"]) == {"FINISHED"}, runs
+p = parent.iloc[0]
+assert p["tags.a3po.kind"] == "compare" and p["tags.prefect.flow_run_id"] == dep["flow_run_id"], p
+exp, pid, cid = p["experiment_id"], p["run_id"], child.iloc[0]["run_id"]
+assert p["tags.a3po.link.parent_run"] == f"{ui}/#/experiments/{exp}/runs/{pid}", p["tags.a3po.link.parent_run"]
+assert cid in p["tags.a3po.link.compare_runs"], p["tags.a3po.link.compare_runs"]
+print(json.dumps({"flow_run": dep["flow_run_id"], "parent_run": pid, "parent_run_url": p["tags.a3po.link.parent_run"]}))
+EOF
+)
+  compare_s=$(( $(date +%s) - t_c ))
 fi
 
 total_s=$(( $(date +%s) - t_start ))
 a3po_log "team mode OK"
-echo "{\"team_mode\": \"ok\", \"postgres_runs\": $n_pg, \"password_in_ps\": false, \"processes_checked\": $n_procs, \"flow_s\": $flow_s, \"nightly_via_worker\": \"$nightly\", \"worker_s\": $worker_s, \"total_s\": $total_s}"
+echo "{\"team_mode\": \"ok\", \"postgres_runs\": $n_pg, \"password_in_ps\": false, \"processes_checked\": $n_procs, \"flow_s\": $flow_s, \"nightly_via_worker\": \"$nightly\", \"worker_s\": $worker_s, \"compare_via_worker\": ${compare_dep:-\"skipped\"}, \"compare_worker_s\": ${compare_s:-0}, \"total_s\": $total_s}"

@@ -29,6 +29,8 @@ from tasks.runtime import sqlite_path
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_CHARS = 6000
+# MLflow 3's UI opens an experiment of this kind on its runs (not the GenAI overview).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,14 @@ def ensure_experiment(client, name: str, tracking_uri: str) -> str:
     ``<db dir>/mlartifacts/<name>`` (absolute), never to a cwd-relative ``./mlruns``."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        for k, v in EXPERIMENT_KIND.items():
+            if k not in exp.tags:  # an experiment made before this tag, or by hand; a kind set by a person stays
+                client.set_experiment_tag(exp.experiment_id, k, v)
         return exp.experiment_id
     db = sqlite_path(tracking_uri)
     location = (db.resolve().parent / "mlartifacts" / name).as_uri() if db is not None else None
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
     except Exception:  # noqa: BLE001 - created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import parse_qs
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
@@ -59,6 +60,11 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     assert sorted(children["tags.a3po.variant"]) == ["loglinear", "recompute", "sync"]
     assert set(children["status"]) == {"FINISHED"}
     assert children["params.rl.variant"].tolist() == children["tags.a3po.variant"].tolist()  # flattened config as params
+    # Direct links into the UI, tagged on the parent: its own page and the comparison of exactly its child runs.
+    exp = parent["experiment_id"]
+    assert parent["tags.a3po.link.parent_run"] == res["links"]["parent_run"] == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{parent['run_id']}"
+    query = parse_qs(parent["tags.a3po.link.compare_runs"].partition("#/compare-runs?")[2])
+    assert sorted(json.loads(query["runs"][0])) == sorted(children["run_id"]) and json.loads(query["experiments"][0]) == [exp]
 
     client = MlflowClient(uri)
     evaluation_of = {r["variant"]: r["evaluation"] for r in res["runs"]}
@@ -102,7 +108,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     second = runs[runs["tags.mlflow.parentRunId"] == again["parent_run_id"]]
     assert len(second) == 3 and set(second["tags.a3po.backfilled_steps"]) == {"6"}  # full record in the new child runs
     flow_run_id = runs[runs["run_id"] == again["parent_run_id"]].iloc[0]["tags.prefect.flow_run_id"]
-    states = _task_states(flow_run_id, expect=15)  # parent open + log + close, dataset, warm start, 3 x (train, evaluate, log), summary
+    states = _task_states(flow_run_id, expect=16)  # parent open + links + log + close, dataset, warm start, 3 x (train, evaluate, log), summary
     assert states["prepare_dataset"] == states["warm_start"] == {"Cached"}
     assert states["evaluate_checkpoint"] == {"Cached"} and states["train_variant"] == {"Completed"}
 
@@ -113,7 +119,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         shutil.rmtree(d)
     third = compare_variants(**kw)
     fr = _search(uri, "e2e").set_index("run_id").loc[third["parent_run_id"], "tags.prefect.flow_run_id"]
-    states = _task_states(fr, expect=15)
+    states = _task_states(fr, expect=16)
     assert states["prepare_dataset"] == states["warm_start"] == {"Completed"}
     assert Path(third["runs"][0]["warmstart"]["dir"]).is_dir()
     assert [r["final_acc"] for r in third["runs"]] == [r["final_acc"] for r in res["runs"]]

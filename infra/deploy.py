@@ -1,0 +1,127 @@
+"""Register a deployment of ``infra/prefect.yaml`` by name, from Python.
+
+    export PREFECT_API_URL=http://127.0.0.1:4200/api            # infra/start_prefect_server.sh
+    python infra/deploy.py compare-variants                      # weekly comparison (cron 0 3 * * 0, UTC)
+    python infra/deploy.py nightly-parity                        # nightly parity (cron 0 2 * * *, UTC)
+    python infra/deploy.py compare-variants --param config='"my.yaml"' --param 'seeds=[0,1,2]' --cron '0 4 * * 1'
+    python infra/deploy.py compare-variants --serve              # serve it from this process (no worker)
+    python infra/deploy.py compare-variants --run-now --param preset='"micro"'   # plus one run now
+
+The deployments are defined once, in ``infra/prefect.yaml`` (entrypoint, cron, timezone, tags,
+parameters, work pool); this script registers one of them as written there, with ``--param``
+overriding a parameter (JSON, or a bare string) and ``--cron`` / ``--pool`` / ``--name`` the
+rest. Why beside ``prefect deploy --prefect-file infra/prefect.yaml``: no CLI prompts, one
+deployment at a time, its next runs printed, and one JSON line at the end. Schedules need a real
+Prefect server (not the temporary one that the flows start on their own) and a worker polling
+the pool (``infra/start_worker.sh``), or ``--serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = ROOT / "infra" / "prefect.yaml"
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def deployments(path: Path = PREFECT_YAML) -> dict[str, dict[str, Any]]:
+    """The deployments of ``prefect.yaml`` by name (a plain YAML read: nothing in it runs)."""
+    return {d["name"]: d for d in yaml.safe_load(path.read_text())["deployments"]}
+
+
+def _param(item: str) -> tuple[str, object]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--param expects KEY=VALUE (VALUE as JSON, else a string), got {item!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def build_parser(prog: str | None = None, name_default: str | None = None) -> argparse.ArgumentParser:
+    known = sorted(deployments())
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    if name_default is None:
+        ap.add_argument("deployment", choices=known, help="which deployment of infra/prefect.yaml")
+    ap.add_argument("--name", default=None, help="register under this name (default: the YAML's)")
+    ap.add_argument("--pool", default=os.environ.get("A3PO_WORK_POOL"), help="work pool (default $A3PO_WORK_POOL, else the YAML's)")
+    ap.add_argument("--cron", default=None, help="cron schedule (default: the YAML's)")
+    ap.add_argument("--timezone", default=None, help="of the cron (default: the YAML's, UTC)")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=JSON", help="flow parameter over the YAML's (repeatable)")
+    ap.add_argument("--serve", action="store_true", help="serve from this process instead of deploying to a work pool")
+    ap.add_argument("--run-now", action="store_true", help="also create one flow run now")
+    return ap
+
+
+def main(argv: list[str] | None = None, deployment: str | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog, deployment).parse_args(argv)
+    spec = deployments()[deployment or args.deployment]
+    schedule = (spec.get("schedules") or [{}])[0]
+    name = args.name or spec["name"]
+    pool = args.pool or spec["work_pool"]["name"]
+    cron = args.cron or schedule["cron"]
+    timezone = args.timezone or schedule.get("timezone", "UTC")
+    params = {**(spec.get("parameters") or {}), **dict(_param(p) for p in args.param)}
+    tags = list(spec.get("tags") or [])
+
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        print("PREFECT_API_URL is not set: schedules need a real server (infra/start_prefect_server.sh)", file=sys.stderr)
+        return 2
+    if args.serve:
+        served = flow.from_source(source=str(ROOT), entrypoint=spec["entrypoint"])
+        served.serve(name=name, cron=cron, parameters=params, tags=tags)
+        return 0
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+    from prefect.schedules import Cron
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    remote = flow.from_source(source=str(ROOT), entrypoint=spec["entrypoint"])
+    deployment_id = remote.deploy(
+        name=name,
+        work_pool_name=pool,
+        schedule=Cron(cron, timezone=timezone),
+        parameters=params,
+        description=spec.get("description"),
+        tags=tags,
+        job_variables={"working_dir": str(ROOT)},
+        print_next_steps=False,
+    )
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment(deployment_id)
+        crons = [s.schedule.cron for s in dep.schedules]
+    full_name = f"{remote.name}/{name}"
+    print(f"deployment {full_name} ({deployment_id}) on pool {pool}, cron {crons} {timezone}, parameters {json.dumps(params)}")
+    run_id = None
+    if args.run_now:
+        run = run_deployment(full_name, parameters=params, timeout=0)
+        run_id = str(run.id)
+        print(f"flow run {run_id} created; a worker on pool {pool} will pick it up")
+    print(json.dumps({"deployment": full_name, "deployment_id": str(deployment_id), "pool": pool, "cron": crons,
+                      "timezone": timezone, "parameters": params, "flow_run_id": run_id}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

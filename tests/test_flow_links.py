@@ -1,0 +1,61 @@
+"""Links into the MLflow UI (``tasks/links.py``): the URLs for an HTTP server and for a local
+store, and the tags on a real parent run in a SQLite store (no Prefect server: the task body
+through ``.fn()``). The flows calling it are checked end to end in ``test_flow_pipeline.py``
+and, against a real MLflow server, in ``infra/ci_team_mode.sh``. Seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from urllib.parse import parse_qs, unquote
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
+
+from tasks.links import TAG_COMPARE, TAG_PARENT, TAG_UI_COMMAND, run_links, tag_run_links
+from tasks.tracking import TrackingRef, client_for, create_run, ensure_experiment
+
+
+def _compare_query(url: str) -> dict[str, list[str]]:
+    """The run and experiment ids a compare-runs URL names, read the way the UI reads them
+    (query after '#/compare-runs?', each value a JSON list)."""
+    route, _, query = url.partition("#/compare-runs?")
+    assert route and query, url
+    return {k: json.loads(v[0]) for k, v in parse_qs(query).items()}
+
+
+def test_links_for_an_http_server_are_on_the_server():
+    links = run_links("http://mlflow.lan:5000/", "7", "p123", ["c1", "c2"])
+    assert links.parent_run == "http://mlflow.lan:5000/#/experiments/7/runs/p123"
+    assert links.compare_runs == "http://mlflow.lan:5000/#/compare-runs?runs=%5B%22c1%22%2C%22c2%22%5D&experiments=%5B%227%22%5D"
+    assert unquote(links.compare_runs).endswith('?runs=["c1","c2"]&experiments=["7"]')  # the UI's own JSON.stringify form
+    assert links.ui_command is None
+
+
+def test_links_for_a_local_store_name_the_command_that_serves_it():
+    links = run_links("sqlite:////data/mlflow.db", "1", "p", ["c"])
+    assert links.ui_command == "mlflow ui --backend-store-uri sqlite:////data/mlflow.db"
+    assert links.parent_run == "http://127.0.0.1:5000/#/experiments/1/runs/p"
+    assert links.lines()[0] == "start the MLflow UI: mlflow ui --backend-store-uri sqlite:////data/mlflow.db"
+    # A database URI's password is never printed or tagged.
+    db = run_links("postgresql+psycopg2://a3po:s3cret@db:5432/mlflow", "1", "p", ["c"])
+    assert db.ui_command == "mlflow ui --backend-store-uri postgresql+psycopg2://a3po:***@db:5432/mlflow"
+
+
+def test_parent_run_is_tagged_with_its_own_and_its_childrens_ids(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = client_for(uri)
+    exp = ensure_experiment(client, "links", uri)
+    parent = create_run(client, exp, "compare-micro", {"a3po.role": "parent"})
+    children = [create_run(client, exp, f"v{i}", {"a3po.role": "child"}, parent_run_id=parent) for i in range(3)]
+    other = create_run(client, exp, "another flow's run", {"a3po.role": "child"})
+
+    returned = tag_run_links.fn(TrackingRef(uri, exp, parent), children)
+
+    tags = client.get_run(parent).data.tags
+    assert tags[TAG_PARENT] == returned["parent_run"] == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{parent}"
+    assert _compare_query(tags[TAG_COMPARE]) == {"runs": children, "experiments": [exp]}
+    assert other not in tags[TAG_COMPARE]
+    assert tags[TAG_UI_COMMAND] == f"mlflow ui --backend-store-uri {uri}"
+    # The experiment opens on its runs in MLflow 3's UI, not on the GenAI overview.
+    assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
