@@ -26,12 +26,7 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
-
-    from transformers.utils import logging as hf_logging
-
-    from a3po.metrics import JsonlLogger
-    from a3po.pipeline import prepare_warmstart, train_variant
+    from a3po.runlock import hold_run_folder
 
     cfg = preset(args.preset)
     if args.config:
@@ -42,12 +37,23 @@ def _train(argv: list[str]) -> int:
             rl[key] = val
     cfg = with_overrides(cfg, rl=rl)
     out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
-    hf_logging.disable_progress_bar()
+    run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
+    # One writer per run folder, taken before anything is written (released at any exit).
+    with hold_run_folder(run_dir, log=lambda msg: print(f"note: {msg}", file=sys.stderr)):
+        return _train_locked(args, cfg, out, run_dir)
 
+
+def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> int:
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    from a3po.metrics import JsonlLogger
+    from a3po.pipeline import prepare_warmstart, train_variant
+
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     ws_dir, ws_acc = prepare_warmstart(cfg, out / "cache")
     print(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
-    run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
     bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress, dynamic_ncols=True)
 
     def progress(step: int, m: dict[str, float]) -> None:
@@ -82,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in commands:
         print(f"usage: a3po {{{','.join(commands)}}} [options]   (a3po <command> --help)", file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    from a3po.runlock import RunFolderBusy
+
+    try:
+        return commands[argv[0]](argv[1:])
+    except RunFolderBusy as e:
+        print(f"a3po {argv[0]}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

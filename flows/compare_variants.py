@@ -37,6 +37,7 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
 from a3po.config import TrainConfig, Variant, config_to_dict, merge_yaml, preset as load_preset, with_overrides
+from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.runtime import default_tracking_uri, prefect_api, ui_hint
@@ -84,6 +85,10 @@ def build_config(
     if torch_threads:
         sections["torch_threads"] = torch_threads
     return with_overrides(cfg, **sections)
+
+
+def output_folder(preset: str, output_dir: str | None) -> Path:
+    return Path(output_dir or f"runs/compare-{preset}").resolve()
 
 
 def variant_config(base: TrainConfig, variant: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
@@ -175,25 +180,26 @@ def compare_variants(
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     for v in variants:
         Variant(v)  # raises on an unknown name
-    out = Path(output_dir or f"runs/compare-{preset}").resolve()
+    out = output_folder(preset, output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
     data_dir = data_dir if data_dir is not None else default_data_dir()
     flow_values = dict(preset=preset, variants=variants, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
                        data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
-    ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
-                          {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds))},
-                          parent_params(base, **flow_values))
-    try:
-        records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s)
-        summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
-        log_to_parent(ref, summary["metrics"], summary["artifacts"])
-    except BaseException:
-        close_parent_run(ref, "FAILED")
-        raise
-    close_parent_run(ref, "FINISHED")
-    return result_of(ref, out, base, records, summary, time.perf_counter() - t0)
+    with hold_run_folder(out, log=get_run_logger().warning):  # one writer per output folder, for the whole flow run
+        ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
+                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds))},
+                              parent_params(base, **flow_values))
+        try:
+            records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
+                                     bench_limit, bench_max_new_tokens, system_metrics_interval_s)
+            summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
+            log_to_parent(ref, summary["metrics"], summary["artifacts"])
+        except BaseException:
+            close_parent_run(ref, "FAILED")
+            raise
+        close_parent_run(ref, "FINISHED")
+        return result_of(ref, out, base, records, summary, time.perf_counter() - t0)
 
 
 def result_of(ref: TrackingRef, out: Path, base: TrainConfig, records: list[dict], summary: dict, wall_s: float) -> dict[str, Any]:
@@ -314,8 +320,12 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kwargs = kwargs_from_args(args)
-    with prefect_api() as api:
-        result = compare_variants(**kwargs)
+    try:  # refused here, before the Prefect server starts, when another run writes the folder
+        with hold_run_folder(output_folder(args.preset, args.output_dir)), prefect_api() as api:
+            result = compare_variants(**kwargs)
+    except RunFolderBusy as e:
+        print(f"compare_variants: {e}", file=sys.stderr)
+        return 1
     print("\n" + result["summary"]["table_md"])
     for note in result["summary"]["notes"]:
         print(f"note: {note}")
