@@ -10,6 +10,15 @@ Why batching: one ``log_metric`` call is a database round trip (SQLite: a transa
 logger buffers a step's ~25 metrics and sends them with ``log_batch`` (up to 1000 per call)
 every ``flush_every_s`` seconds or when the buffer is full, so tracking costs a few calls per
 run instead of one per value.
+
+Why a background shipper: the tracking server is another machine's process. Training writes
+its metrics to the run folder first (``metrics.jsonl``) and the shipper thread carries them to
+MLflow, keeping them through an outage and sending them, in order, when the server returns;
+training never waits on it.
+
+Superseding: a RUNNING run whose folder nobody holds (:mod:`a3po.runlock`) was left by a killed
+process and is marked KILLED by the next run of that folder; a live run's folder is locked, so
+it is never touched.
 """
 
 from __future__ import annotations
@@ -153,7 +162,7 @@ class TrackingUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def short_client_retries(max_retries: int = 0, timeout_s: int = 10) -> Iterator[None]:
+def short_client_retries(max_retries: int = 0, timeout_s: int = 30) -> Iterator[None]:
     """Fail fast instead of MLflow's default ~4 minutes of retries per HTTP call (7 retries,
     backoff 2 s x 2^n, 120 s timeout), for the duration of training: the shipper retries with
     its own backoff and the training loop never waits on it. MLflow reads these variables per

@@ -10,6 +10,10 @@ MLflow: one child run per variant x seed under the flow's parent run. A Prefect 
 the child run of its flow run (steps already logged are not logged again); a new flow run
 gets a new child run, marks the killed one KILLED and back-fills the steps restored from the
 checkpoint, so its record is complete.
+
+The task holds its run folder's lock (:mod:`a3po.runlock`) from start to end, and a tracking
+outage does not stop it: metrics land in ``<run_dir>/metrics.jsonl`` and a background shipper
+delivers them to MLflow when it can (see :class:`tasks.tracking.MlflowMetricLogger`).
 """
 
 from __future__ import annotations
@@ -102,8 +106,8 @@ class RunRecord:
     steps: int
     wall_s: float
     resumed_from: int | None
-    library_s: float = 0.0  # time inside a3po.pipeline.train_variant (includes tracking_s)
-    tracking_s: float = 0.0  # of which: MLflow log_batch calls made by the metric logger
+    library_s: float = 0.0  # time inside a3po.pipeline.train_variant
+    tracking_s: float = 0.0  # MLflow log_batch calls of the metric shipper (its own thread, beside library_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

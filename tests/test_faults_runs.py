@@ -171,3 +171,207 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"taking over from pid {killed.pid}" in resumed.stderr
     assert _last_json(resumed.stdout)["resumed_from"] >= ckpt_step and _last_json(resumed.stdout)["steps"] == 400
+
+
+# --- 4. two compare flows on one output dir ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from flows.compare_variants import compare_variants
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "out"
+    args = ["--preset", "micro", "--variants", "loglinear", "--seeds", "0", "--steps", "300", "--checkpoint-every", "50",
+            "--set", "rl.eval_every=100", "--benchmarks", "", "--tracking-uri", uri, "--experiment", "two", "--output-dir", str(out)]
+    env = {**ENV, "PREFECT_API_URL": prefect_server}
+    first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for("loglinear-seed0-*/checkpoints/latest", out, first)  # training, with its parent and child runs open
+    # A second flow: refused by the command line before it starts anything, and by the flow
+    # itself (what a deployment runs), before it opens an MLflow run.
+    second = subprocess.run([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    with pytest.raises(RunFolderBusy, match=f"pid {first.pid}"):
+        compare_variants(preset="micro", variants=["loglinear"], steps=300, checkpoint_every=50, overrides={"rl": {"eval_every": 100}},
+                         benchmarks=[], tracking_uri=uri, experiment="two", output_dir=str(out))
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
+    assert first.poll() is None, "the first flow ended before the second was checked: the test proves nothing"
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "flows.compare_variants" in second.stderr, second.stderr
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"RUNNING"}  # the first flow's parent + child, nothing else
+    assert not any("a3po.superseded_by" in r.data.tags for r in runs)
+    stdout, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
+    assert {r.info.status for r in runs} == {"FINISHED"} and not any("a3po.superseded_by" in r.data.tags for r in runs)
+
+
+# --- 5. tracking outage -----------------------------------------------------------------------
+
+
+class MlflowServer:
+    """``mlflow server`` on a free loopback port, SQLite backend; stop() / start() at will."""
+
+    def __init__(self, root: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.root, self.uri, self.proc = root, f"http://127.0.0.1:{self.port}", None
+
+    def start(self, timeout_s: float = 240) -> None:
+        cmd = [PY, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=ENV, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
+                assert time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _steps_in(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _tracked_training(server: MlflowServer, tmp_path: Path, steps: int):
+    """A micro config, its warm start, a parent run on the server and the run dir."""
+    from a3po.config import preset, with_overrides
+    from tasks.tracking import TrackingRef, client_for, create_run, ensure_experiment
+    from tasks.training import run_dir_for, warm_start
+
+    cfg = with_overrides(preset("micro"), rl={"steps": steps, "eval_every": 50, "checkpoint_every": 10})
+    client = client_for(server.uri)
+    exp = ensure_experiment(client, "outage", server.uri)
+    ref = TrackingRef(server.uri, exp, create_run(client, exp, "parent", {"a3po.role": "parent"}))
+    ws = warm_start.fn(cfg, str(tmp_path / "cache"))
+    return cfg, ref, ws, Path(run_dir_for(tmp_path / "out", cfg))
+
+
+def _assert_every_metric_in_mlflow(client, run_id: str, history_path: Path) -> None:
+    rows = [json.loads(line) for line in history_path.read_text().splitlines()]
+    for key in rows[0]:
+        if key == "step":
+            continue
+        got = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        want = {r["step"]: r[key] for r in rows if key in r}
+        assert got == pytest.approx(want), key
+
+
+@pytest.mark.slow
+def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
+    import threading
+
+    from tasks.training import train_variant
+
+    cfg, ref, ws, run_dir = _tracked_training(mlflow_server, tmp_path, steps=400)
+    seen: dict[str, int] = {}
+
+    def outage() -> None:  # stop the server after step 2, restart it some steps later
+        metrics = run_dir / "metrics.jsonl"
+        while _steps_in(metrics) < 2:
+            time.sleep(0.01)
+        mlflow_server.stop()
+        seen["down_at"] = _steps_in(metrics)
+        time.sleep(8)  # > the shipper's 5 s flush period: it must meet the outage
+        seen["up_from"] = _steps_in(metrics)
+        mlflow_server.start()
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    task_log = logging.getLogger("a3po.tasks")  # the task's logger outside a Prefect run (``.fn()``)
+    task_log.addHandler(handler)
+    watcher = threading.Thread(target=outage)
+    watcher.start()
+    try:
+        rec = train_variant.fn(cfg, str(run_dir), ws, ref, system_metrics_interval_s=1.0)
+    finally:
+        watcher.join()
+        task_log.removeHandler(handler)
+    assert seen["up_from"] > seen["down_at"]  # training went on while the server was down
+    assert seen["up_from"] < rec.steps, "training ended before the server came back: the test proves nothing"
+    # Once per outage (a slow answer past the client timeout on a loaded machine counts as one too).
+    reported = sum("unreachable since" in m and "training continues" in m and str(run_dir / "metrics.jsonl") in m for m in warnings)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(rec.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert float(run.data.tags["a3po.tracking_outage_s"]) > 1.0 and int(run.data.tags["a3po.tracking_outages"]) == reported >= 1
+    _assert_every_metric_in_mlflow(client, rec.mlflow_run_id, Path(rec.history_path))
+    assert [m.step for m in client.get_metric_history(rec.mlflow_run_id, "reward/mean")] == list(range(1, 401))
+
+
+@pytest.mark.slow
+def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import TrackingUnavailable
+    from tasks.training import train_variant
+
+    cfg, ref, ws, run_dir = _tracked_training(mlflow_server, tmp_path, steps=60)
+    import threading
+
+    def outage() -> None:
+        while _steps_in(run_dir / "metrics.jsonl") < 2:
+            time.sleep(0.01)
+        mlflow_server.stop()
+
+    watcher = threading.Thread(target=outage)
+    watcher.start()
+    with pytest.raises(TrackingUnavailable) as err:
+        train_variant.fn(cfg, str(run_dir), ws, ref, tracking_drain_s=3.0)
+    watcher.join()
+    msg = str(err.value)
+    assert str(run_dir / "metrics.jsonl") in msg and "back-fills" in msg and "unreachable since" in msg
+    assert _steps_in(run_dir / "metrics.jsonl") == 60  # training itself finished
+    assert not in_use_by_another(run_dir) and read_holder(run_dir) is None  # and let go of its folder
+
+    mlflow_server.start()  # back: the same command again (a Prefect retry of the flow run) completes the record
+    rec = train_variant.fn(cfg, str(run_dir), ws, ref)
+    assert rec.resumed_from == 60
+    client = MlflowClient(mlflow_server.uri)
+    assert client.get_run(rec.mlflow_run_id).info.status == "FINISHED"
+    _assert_every_metric_in_mlflow(client, rec.mlflow_run_id, Path(rec.history_path))
+
+
+# --- 6. a failed flow exits promptly ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_failed_flow_exits_within_seconds(tmp_path):
+    """A task that fails (a dataset folder that does not exist) on Prefect's temporary server:
+    before the fix the process lingered ~80 s after the flow failed (workers retrying a stopped
+    server); now ~5-11 s on 2 busy cores. The bound is loose on purpose."""
+    env = {k: v for k, v in ENV.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cmd = [PY, "-m", "flows.compare_variants", "--preset", "micro", "--variants", "loglinear", "--dataset", str(tmp_path / "absent"),
+           "--benchmarks", "", "--output-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    failed_at = None
+    for line in proc.stdout:
+        if failed_at is None and "Finished in state Failed" in line:
+            failed_at = time.monotonic()
+    proc.wait(timeout=600)
+    exit_s = time.monotonic() - failed_at
+    print(f"failed flow exited {exit_s:.1f} s after its failure")
+    assert proc.returncode != 0 and exit_s < 45
