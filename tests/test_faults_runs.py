@@ -152,7 +152,7 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
     _wait_for("loglinear-seed0/checkpoints/latest", out, first)
     second = subprocess.run(_train_cmd(out, 400, 0), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert first.poll() is None, "the first run ended before the second was checked: the test proves nothing"
-    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "a3po.cli train" in second.stderr, second.stderr
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "a3po/cli.py train --preset micro" in second.stderr, second.stderr
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 0, stderr
     assert _last_json(stdout)["steps"] == 400 and _last_json(stdout)["resumed_from"] is None
@@ -198,7 +198,7 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
     assert first.poll() is None, "the first flow ended before the second was checked: the test proves nothing"
-    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "flows.compare_variants" in second.stderr, second.stderr
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "flows/compare_variants.py --preset micro" in second.stderr, second.stderr
     assert len(runs) == 2 and {r.info.status for r in runs} == {"RUNNING"}  # the first flow's parent + child, nothing else
     assert not any("a3po.superseded_by" in r.data.tags for r in runs)
     stdout, stderr = first.communicate(timeout=600)
