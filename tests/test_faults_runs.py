@@ -184,17 +184,17 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "out"
-    args = ["--preset", "micro", "--variants", "loglinear", "--seeds", "0", "--steps", "300", "--checkpoint-every", "50",
-            "--set", "rl.eval_every=100", "--benchmarks", "", "--tracking-uri", uri, "--experiment", "two", "--output-dir", str(out)]
+    args = ["--preset", "micro", "--variants", "loglinear", "--seeds", "0", "--steps", "800", "--checkpoint-every", "50",
+            "--set", "rl.eval_every=400", "--benchmarks", "", "--tracking-uri", uri, "--experiment", "two", "--output-dir", str(out)]
     env = {**ENV, "PREFECT_API_URL": prefect_server}
     first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for("loglinear-seed0-*/checkpoints/latest", out, first)  # training, with its parent and child runs open
     # A second flow: refused by the command line before it starts anything, and by the flow
     # itself (what a deployment runs), before it opens an MLflow run.
-    second = subprocess.run([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     with pytest.raises(RunFolderBusy, match=f"pid {first.pid}"):
-        compare_variants(preset="micro", variants=["loglinear"], steps=300, checkpoint_every=50, overrides={"rl": {"eval_every": 100}},
+        compare_variants(preset="micro", variants=["loglinear"], steps=800, checkpoint_every=50, overrides={"rl": {"eval_every": 400}},
                          benchmarks=[], tracking_uri=uri, experiment="two", output_dir=str(out))
+    second = subprocess.run([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
     assert first.poll() is None, "the first flow ended before the second was checked: the test proves nothing"
