@@ -57,7 +57,20 @@ def _train(argv: list[str]) -> int:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
+    run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
 
+    from a3po.distributed import ranks_from_env
+    from a3po.runlock import hold_run_folder
+
+    # One writer per run folder, taken before anything is written and released at any exit;
+    # under a launcher, rank 0 holds it for all the ranks.
+    if not ranks_from_env().is_main:
+        return _train_locked(args, cfg, out, run_dir)
+    with hold_run_folder(run_dir, log=lambda msg: print(f"note: {msg}", file=sys.stderr)):
+        return _train_locked(args, cfg, out, run_dir)
+
+
+def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> int:
     from tqdm import tqdm
 
     from transformers.utils import logging as hf_logging
@@ -80,7 +93,6 @@ def _train(argv: list[str]) -> int:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
     say(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
-    run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
     bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress or not ranks.is_main, dynamic_ncols=True)
 
     def progress(step: int, m: dict[str, float]) -> None:
@@ -177,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         got = f"unknown command {argv[0]!r}" if argv else "a command is required"
         print(f"{usage()}\n\na3po: error: {got}", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]].run(argv[1:])
+    from a3po.runlock import RunFolderBusy
+
+    try:
+        return COMMANDS[argv[0]].run(argv[1:])
+    except RunFolderBusy as e:  # another process writes this run folder: say who, change nothing
+        print(f"a3po {argv[0]}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from prefect import flow, get_run_logger
 from a3po.config import PRESETS, ConfigError, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
 from a3po.devices import Device, DType
 from a3po.launch import LaunchMode, LaunchSpec, launch_spec
+from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
 from tasks.links import RunLinks, tag_run_links
@@ -88,6 +89,11 @@ def build_config(
     if torch_threads:
         sections["torch_threads"] = torch_threads
     return with_overrides(cfg, **sections)
+
+
+def output_folder(preset: str, output_dir: str | None) -> Path:
+    """The comparison's folder; '{date}' gives each scheduled run its own (a re-run the same day resumes, like nightly's)."""
+    return Path((output_dir or f"runs/compare-{preset}").replace("{date}", f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")).resolve()
 
 
 def variant_config(base: TrainConfig, variant: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
@@ -196,28 +202,28 @@ def compare_variants(
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     for v in variants:
         Variant(v)  # raises on an unknown name
-    # '{date}' gives each scheduled run its own dir (a re-run the same day resumes, like nightly's).
-    out = Path((output_dir or f"runs/compare-{preset}").replace("{date}", f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")).resolve()
+    out = output_folder(preset, output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
     data_dir = data_dir if data_dir is not None else default_data_dir()
     flow_values = dict(preset=preset, variants=variants, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
                        data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
-    launch_tags, launch_param = launch_params(spec)
-    ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
-                          {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)), **launch_tags},
-                          {**parent_params(base, **flow_values), **launch_param})
-    try:
-        records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec)
-        links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
-        summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
-        log_to_parent(ref, summary["metrics"], summary["artifacts"])
-    except BaseException:
-        close_parent_run(ref, "FAILED")
-        raise
-    close_parent_run(ref, "FINISHED")
-    return {**result_of(ref, out, base, records, summary, time.perf_counter() - t0), "links": links}
+    with hold_run_folder(out, log=get_run_logger().warning):  # one writer per output folder, for the whole flow run
+        launch_tags, launch_param = launch_params(spec)
+        ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
+                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)), **launch_tags},
+                              {**parent_params(base, **flow_values), **launch_param})
+        try:
+            records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
+                                     bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec)
+            links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
+            summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
+            log_to_parent(ref, summary["metrics"], summary["artifacts"])
+        except BaseException:
+            close_parent_run(ref, "FAILED")
+            raise
+        close_parent_run(ref, "FINISHED")
+        return {**result_of(ref, out, base, records, summary, time.perf_counter() - t0), "links": links}
 
 
 def result_of(ref: TrackingRef, out: Path, base: TrainConfig, records: list[dict], summary: dict, wall_s: float) -> dict[str, Any]:
@@ -400,8 +406,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_var
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with prefect_api() as api:
-        result = compare_variants(**kwargs)
+    try:  # refused here, before the Prefect server starts, when another run writes the folder
+        with hold_run_folder(output_folder(args.preset, args.output_dir)), prefect_api() as api:
+            result = compare_variants(**kwargs)
+    except RunFolderBusy as e:
+        print(f"compare_variants: {e}", file=sys.stderr)
+        return 1
     print("\n" + result["summary"]["table_md"])
     for note in result["summary"]["notes"]:
         print(f"note: {note}")

@@ -35,6 +35,7 @@ from prefect import flow, get_run_logger
 from a3po.config import Variant
 from a3po.launch import launch_spec
 from flows.compare_variants import _csv, add_launch_args, build_config, default_data_dir, launch_from_args, launch_params, parent_params, parse_sets, run_comparison
+from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.parity import METRICS, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict, ParityResult
 from tasks.links import RunLinks, tag_run_links
 from tasks.runtime import default_tracking_uri, prefect_api
@@ -51,6 +52,11 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def output_folder(output_dir: str | None) -> Path:
+    """``output_dir``, default ``runs/nightly/<UTC date>`` (a same-day re-run resumes)."""
+    return Path(output_dir or f"runs/nightly/{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}").resolve()
 
 
 @flow(name="nightly-parity", log_prints=True)
@@ -99,55 +105,56 @@ def nightly_parity(
     variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
     spec = launch_spec(launch)
     base = build_config(preset, config, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
-    out = Path(output_dir or f"runs/nightly/{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}").resolve()
+    out = output_folder(output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
     data_dir = data_dir if data_dir is not None else default_data_dir()
     commit = git_commit()
     flow_values = dict(preset=preset, seeds=seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
                        confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
-    launch_tags, launch_param = launch_params(spec)
-    ref = open_parent_run(uri, experiment, f"nightly-{preset}", str(out),
-                          {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags},
-                          {**parent_params(base, **flow_values), **launch_param})
-    try:
-        records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                 bench_limit, 64, system_metrics_interval_s, spec)
-        links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
-        summary = summarise(records, str(out / "summary"), TARGET_FRACTION, smooth_frac)
-        results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
-        trend = earlier_nights(uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
-        verdict = "pass" if all(r.passed for r in results) else "fail"
-        report = report_markdown(results, trend)
-        trend_line = trend_verdict(results, trend)
-        (out / "summary" / "parity.md").write_text(f"# Nightly parity: {verdict}\n\n{report}\nTrend: {trend_line}\n")
-        (out / "summary" / "parity.json").write_text(json.dumps({"verdict": verdict, "results": [r.__dict__ for r in results], "trend": trend}, indent=1))
-        log_to_parent(ref, {**summary["metrics"], **parity_metrics(results)},
-                      [*summary["artifacts"], str(out / "summary" / "parity.md"), str(out / "summary" / "parity.json")],
-                      tags={"parity": verdict})
-        get_run_logger().info(f"parity {verdict}; trend: {trend_line}")
-    except BaseException:
-        close_parent_run(ref, "FAILED")
-        raise
-    close_parent_run(ref, "FINISHED", tags={"parity": verdict})
-    if verdict == "fail" and fail_on_regression:
-        raise ParityRegression(f"convergence parity failed:\n{report}")
-    return {
-        "verdict": verdict,
-        "results": [r.__dict__ for r in results],
-        "trend": trend,
-        "trend_line": trend_line,
-        "report_md": report,
-        "table_md": summary["table_md"],
-        "runs": records,
-        "parent_run_id": ref.parent_run_id,
-        "links": links,
-        "experiment_id": ref.experiment_id,
-        "tracking_uri": uri,
-        "output_dir": str(out),
-        "git_commit": commit,
-        "wall_s": time.perf_counter() - t0,
-    }
+    with hold_run_folder(out, log=get_run_logger().warning):  # one writer per output folder, for the whole flow run
+        launch_tags, launch_param = launch_params(spec)
+        ref = open_parent_run(uri, experiment, f"nightly-{preset}", str(out),
+                              {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags},
+                              {**parent_params(base, **flow_values), **launch_param})
+        try:
+            records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
+                                     bench_limit, 64, system_metrics_interval_s, spec)
+            links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
+            summary = summarise(records, str(out / "summary"), TARGET_FRACTION, smooth_frac)
+            results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
+            trend = earlier_nights(uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
+            verdict = "pass" if all(r.passed for r in results) else "fail"
+            report = report_markdown(results, trend)
+            trend_line = trend_verdict(results, trend)
+            (out / "summary" / "parity.md").write_text(f"# Nightly parity: {verdict}\n\n{report}\nTrend: {trend_line}\n")
+            (out / "summary" / "parity.json").write_text(json.dumps({"verdict": verdict, "results": [r.__dict__ for r in results], "trend": trend}, indent=1))
+            log_to_parent(ref, {**summary["metrics"], **parity_metrics(results)},
+                          [*summary["artifacts"], str(out / "summary" / "parity.md"), str(out / "summary" / "parity.json")],
+                          tags={"parity": verdict})
+            get_run_logger().info(f"parity {verdict}; trend: {trend_line}")
+        except BaseException:
+            close_parent_run(ref, "FAILED")
+            raise
+        close_parent_run(ref, "FINISHED", tags={"parity": verdict})
+        if verdict == "fail" and fail_on_regression:
+            raise ParityRegression(f"convergence parity failed:\n{report}")
+        return {
+            "verdict": verdict,
+            "results": [r.__dict__ for r in results],
+            "trend": trend,
+            "trend_line": trend_line,
+            "report_md": report,
+            "table_md": summary["table_md"],
+            "runs": records,
+            "parent_run_id": ref.parent_run_id,
+            "links": links,
+            "experiment_id": ref.experiment_id,
+            "tracking_uri": uri,
+            "output_dir": str(out),
+            "git_commit": commit,
+            "wall_s": time.perf_counter() - t0,
+        }
 
 
 def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.ArgumentParser:
@@ -181,16 +188,21 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
 def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_parity") -> int:
     args = build_parser(prog).parse_args(argv)
     overrides, per_variant = parse_sets(args.set)
-    with prefect_api() as api:
-        res = nightly_parity(
-            preset=args.preset, seeds=_csv(args.seeds, int), steps=args.steps, candidate=args.candidate,
-            references=_csv(args.references), metric=args.metric, tolerance=args.tolerance, confidence=args.confidence,
-            n_boot=args.n_boot, smooth_frac=args.smooth_frac, max_staleness=args.max_staleness,
-            overrides=overrides or None, variant_overrides=per_variant or None, benchmarks=_csv(args.benchmarks),
-            bench_limit=args.bench_limit or None, data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(),
-            experiment=args.experiment, output_dir=args.output_dir, cache_dir=args.cache_dir, history=args.history,
-            torch_threads=args.torch_threads, launch=launch_from_args(args), config=args.config,
-        )
+    try:  # refused here, before the Prefect server starts, when another run writes the folder
+        out = output_folder(args.output_dir)  # once: the default names today's date
+        with hold_run_folder(out), prefect_api() as api:
+            res = nightly_parity(
+                preset=args.preset, seeds=_csv(args.seeds, int), steps=args.steps, candidate=args.candidate,
+                references=_csv(args.references), metric=args.metric, tolerance=args.tolerance, confidence=args.confidence,
+                n_boot=args.n_boot, smooth_frac=args.smooth_frac, max_staleness=args.max_staleness,
+                overrides=overrides or None, variant_overrides=per_variant or None, benchmarks=_csv(args.benchmarks),
+                bench_limit=args.bench_limit or None, data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(),
+                experiment=args.experiment, output_dir=str(out), cache_dir=args.cache_dir, history=args.history,
+                torch_threads=args.torch_threads, launch=launch_from_args(args), config=args.config,
+            )
+    except RunFolderBusy as e:
+        print(f"nightly_parity: {e}", file=sys.stderr)
+        return 1
     print("\n" + res["table_md"] + "\n\n" + res["report_md"])
     print(f"trend: {res['trend_line']}")
     print(f"parity: {res['verdict'].upper()}   MLflow parent run {res['parent_run_id']} in {res['tracking_uri']}")

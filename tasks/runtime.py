@@ -96,17 +96,23 @@ def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
     info = {"api_url": server.api_url, "temporary": True, "startup_s": time.perf_counter() - t0, "pid": server.server_process.pid}
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield info
-            _drain_to_api()
+            try:
+                yield info
+            finally:  # on failure too: else the workers retry a stopped server at exit (~85 s)
+                _drain_to_api()
     finally:
         server.stop()
 
 
 def _drain_to_api() -> None:
     """Send Prefect's queued logs and events while the server is still up (otherwise their
-    workers retry a stopped server at exit, for a minute, and print errors after our output)."""
+    workers retry a stopped server at exit, for a minute, and print errors after our output).
+    Never raises: it runs on the way out of a failed flow as well."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    APILogWorker.drain_all(timeout=10)
-    EventsWorker.drain_all(timeout=10)
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=10)
+        except Exception:  # noqa: BLE001 - best effort; the flow's own outcome matters more
+            pass

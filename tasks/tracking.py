@@ -10,20 +10,35 @@ Why batching: one ``log_metric`` call is a database round trip (SQLite: a transa
 logger buffers a step's ~25 metrics and sends them with ``log_batch`` (up to 1000 per call)
 every ``flush_every_s`` seconds or when the buffer is full, so tracking costs a few calls per
 run instead of one per value.
+
+Why a background shipper: the tracking server is another machine's process. Training writes
+its metrics to the run folder first (``metrics.jsonl``) and the shipper thread carries them to
+MLflow, keeping them through an outage and sending them, in order, when the server returns;
+training never waits on it.
+
+Superseding: a RUNNING run whose folder nobody holds (:mod:`a3po.runlock`) was left by a killed
+process and is marked KILLED by the next run of that folder; a live run's folder is locked, so
+it is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
+import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.metrics import valid_metric_key
+from a3po.runlock import in_use_by_another
 from tasks.runtime import sqlite_path
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
@@ -109,12 +124,19 @@ def find_runs(client, experiment_id: str, tags: Mapping[str, str], status: str |
     return client.search_runs([experiment_id], " and ".join(clauses), max_results=max_results, order_by=["attributes.start_time DESC"])
 
 
-def kill_stale_runs(client, experiment_id: str, tags: Mapping[str, str], keep: Iterable[str] = (), note: str = "") -> list[str]:
-    """Mark RUNNING runs with ``tags`` KILLED: what a SIGKILLed flow leaves behind. Returns their ids."""
+def kill_stale_runs(client, experiment_id: str, tags: Mapping[str, str], folder_tag: str, keep: Iterable[str] = (), note: str = "") -> list[str]:
+    """Mark KILLED the RUNNING runs with ``tags`` whose owner is gone: what a SIGKILLed flow
+    leaves behind. The owner of a run is whoever holds the run folder named by its
+    ``folder_tag`` tag (:mod:`a3po.runlock`); a run whose folder another live process holds
+    is left alone, and so is one recorded on another host (its lock cannot be checked from
+    here). Returns the ids marked."""
     keep = set(keep)
     killed = []
     for run in find_runs(client, experiment_id, tags, status="RUNNING"):
-        if run.info.run_id in keep:
+        run_tags = run.data.tags
+        if run.info.run_id in keep or run_tags.get("a3po.host", socket.gethostname()) != socket.gethostname():
+            continue
+        if run_tags.get(folder_tag) and in_use_by_another(run_tags[folder_tag]):
             continue
         if note:
             client.set_tag(run.info.run_id, "a3po.superseded_by", note)
@@ -140,8 +162,37 @@ def _check_keys(metrics: Mapping[str, Any]) -> None:
         raise ValueError(f"invalid MLflow metric key(s) {bad}: use letters, digits and _ - . / only")
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking server stayed unreachable past the end-of-task wait (metrics are safe locally)."""
+
+
+@contextlib.contextmanager
+def short_client_retries(max_retries: int = 0, timeout_s: int = 30) -> Iterator[None]:
+    """Fail fast instead of MLflow's default ~4 minutes of retries per HTTP call (7 retries,
+    backoff 2 s x 2^n, 120 s timeout), for the duration of training: the shipper retries with
+    its own backoff and the training loop never waits on it. MLflow reads these variables per
+    request and process-wide; values the user set are kept."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max_retries), "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s)}
+    added = [k for k in keys if k not in os.environ]
+    os.environ.update({k: keys[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 class MlflowMetricLogger:
-    """A :class:`~a3po.metrics.MetricLogger` writing to one MLflow run by id, batched.
+    """A :class:`~a3po.metrics.MetricLogger` writing to one MLflow run by id, batched and shipped
+    by a background thread, so tracking can never stop training.
+
+    ``log_metrics`` only queues (in order). The shipper sends the queue with ``log_batch`` every
+    ``flush_every_s`` seconds, when ``max_buffer`` values wait, or on :meth:`flush`. When a call
+    fails it keeps the batch, warns once per outage (through ``warn``), retries with backoff
+    (1, 2, 4 ... ``retry_max_s`` seconds) and, when the server answers again, ships the backlog
+    in order and records the outage on the run (tags ``a3po.tracking_outage_s``: total seconds,
+    ``a3po.tracking_outages``: count). ``kept_in`` names the local file that holds the same
+    metrics (the warning tells the user where they are safe).
 
     ``skip_through_step``: steps at or below it are already in the run (a retried task resumes
     a child run) and are not logged again. :meth:`ensure_history` back-fills any step of a
@@ -149,16 +200,38 @@ class MlflowMetricLogger:
     checkpoint), so every child run holds the complete per-step record.
     """
 
-    def __init__(self, client, run_id: str, flush_every_s: float = 5.0, max_buffer: int = MAX_METRICS_PER_BATCH, skip_through_step: int = -1) -> None:
+    def __init__(
+        self,
+        client,
+        run_id: str,
+        flush_every_s: float = 5.0,
+        max_buffer: int = MAX_METRICS_PER_BATCH,
+        skip_through_step: int = -1,
+        kept_in: str | None = None,
+        warn=None,
+        retry_max_s: float = 30.0,
+        drain_timeout_s: float = 60.0,
+    ) -> None:
         self.client, self.run_id = client, run_id
         self.flush_every_s, self.max_buffer = flush_every_s, max_buffer
         self.skip_through_step = skip_through_step
+        self.kept_in, self.retry_max_s, self.drain_timeout_s = kept_in, retry_max_s, drain_timeout_s
+        self._warn = warn or logging.getLogger("a3po.tracking").warning
         self.logged_steps: set[int] = set()
         self.n_calls = 0  # log_batch calls made and seconds spent in them (the overhead bench reports both)
         self.seconds = 0.0
-        self._buf: list = []
-        self._last_flush = time.monotonic()
-        self._lock = threading.Lock()
+        self.outage_s, self.outages = 0.0, 0  # total unreachable time and number of outages
+        self.down_since: float | None = None  # wall clock of the current outage's first failure
+        self.last_error = ""
+        self._pending: list = []  # Metric objects not yet shipped, in logging order
+        self._tags: dict[str, str] = {}  # run tags to send with the next batch
+        self._flush_wanted = self._stop = False
+        self._last_ship = time.monotonic()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._ship_forever, name=f"mlflow-shipper-{run_id[:8]}", daemon=True)
+        self._thread.start()
+
+    # --- training side: never blocks on the server ---
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -167,22 +240,21 @@ class MlflowMetricLogger:
             return
         _check_keys(metrics)
         ts = int(time.time() * 1000)
-        with self._lock:
-            self._buf.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+        with self._cond:
+            self._pending.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
             self.logged_steps.add(step)
-            due = len(self._buf) >= self.max_buffer or time.monotonic() - self._last_flush >= self.flush_every_s
-        if due:
-            self.flush()
+            if len(self._pending) >= self.max_buffer and self.down_since is None:
+                self._cond.notify_all()
 
-    def flush(self) -> None:
-        with self._lock:
-            buf, self._buf = self._buf, []
-            self._last_flush = time.monotonic()
-        t0 = time.perf_counter()
-        for i in range(0, len(buf), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=buf[i : i + MAX_METRICS_PER_BATCH])
-            self.n_calls += 1
-        self.seconds += time.perf_counter() - t0
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Ship everything queued; wait up to ``timeout_s`` (default ``drain_timeout_s``).
+        True when the queue is empty."""
+        with self._cond:
+            self._flush_wanted = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: not self._pending and not self._tags, timeout=self.drain_timeout_s if timeout_s is None else timeout_s)
+            self._flush_wanted = False
+            return done
 
     def ensure_history(self, history: list[dict[str, float]], first_step: int = 1) -> int:
         """Log entry ``i`` of ``history`` at step ``first_step + i`` unless that step is already
@@ -196,8 +268,87 @@ class MlflowMetricLogger:
         self.flush()
         return n
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain the queue (bounded wait) and stop the shipper; raise :class:`TrackingUnavailable`
+        when the server is still unreachable."""
+        drained = self.flush(timeout_s)
+        with self._cond:
+            self._stop = True
+            left = len(self._pending)
+            self._cond.notify_all()
+        self._thread.join(timeout=15)  # at most one client call in flight (short client timeouts)
+        if not drained:
+            raise TrackingUnavailable(
+                f"the MLflow tracking server has been unreachable since {_clock(self.down_since)} ({self.last_error}); "
+                f"{left} metric values of run {self.run_id} were not shipped. Training itself finished: its metrics are "
+                f"safe in {self.kept_in or 'the run folder'} and in the checkpoint. Re-run the same command once the "
+                f"server is back: the run resumes at its last step and back-fills the missing metrics into MLflow."
+            )
+
+    # --- the shipper thread ---
+
+    def _ship_forever(self) -> None:
+        backoff = 1.0
+        while True:
+            with self._cond:
+                while not self._due():
+                    if self._stop:
+                        return
+                    wait = None if not self._pending else max(0.0, self.flush_every_s - (time.monotonic() - self._last_ship))
+                    self._cond.wait(wait)
+                if self._stop and not self._flush_wanted and self.down_since is not None:
+                    return  # closing during an outage: close() reports what is left
+                batch, tags = self._pending[:MAX_METRICS_PER_BATCH], dict(self._tags)
+            if self._send(batch, tags):
+                backoff = 1.0
+                continue
+            with self._cond:  # woken early by flush / close, so the end-of-task drain retries promptly
+                self._cond.wait(backoff)
+            backoff = min(self.retry_max_s, backoff * 2)
+
+    def _due(self) -> bool:
+        if not self._pending and not self._tags:
+            return False
+        return (self._flush_wanted or self._stop or bool(self._tags) or len(self._pending) >= self.max_buffer
+                or time.monotonic() - self._last_ship >= self.flush_every_s)
+
+    def _send(self, batch: list, tags: dict[str, str]) -> bool:
+        from mlflow.entities import RunTag
+
+        t0 = time.perf_counter()
+        try:
+            self.client.log_batch(self.run_id, metrics=batch, tags=[RunTag(k, v) for k, v in tags.items()])
+        except Exception as e:  # noqa: BLE001 - any failure: keep the batch, training goes on
+            self.seconds += time.perf_counter() - t0
+            self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if self.down_since is None:
+                self.down_since = time.time()
+                self._warn(
+                    f"MLflow tracking server unreachable since {_clock(self.down_since)} ({self.last_error}); training "
+                    f"continues, metrics are kept in {self.kept_in or 'memory'} and will be shipped when it returns"
+                )
+            return False
+        self.seconds += time.perf_counter() - t0
+        with self._cond:
+            del self._pending[: len(batch)]  # only this thread removes from the head
+            for k in tags:
+                if self._tags.get(k) == tags[k]:
+                    del self._tags[k]
+            self.n_calls += 1
+            self._last_ship = time.monotonic()
+            if self.down_since is not None:  # back: record the outage with the next batch
+                lasted = time.time() - self.down_since
+                self.outage_s += lasted
+                self.outages += 1
+                self.down_since = None
+                self._tags.update({"a3po.tracking_outage_s": f"{self.outage_s:.1f}", "a3po.tracking_outages": str(self.outages)})
+                self._warn(f"MLflow tracking server reachable again after {lasted:.0f} s; shipping the {len(self._pending)} buffered metric values")
+            self._cond.notify_all()
+        return True
+
+
+def _clock(t: float | None) -> str:
+    return "?" if t is None else dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def last_logged_step(client, run_id: str, key: str = "reward/mean") -> int:
@@ -224,13 +375,14 @@ def prefect_ids() -> dict[str, str]:
 @task(cache_policy=NO_CACHE)
 def open_parent_run(tracking_uri: str, experiment: str, run_name: str, output_dir: str, tags: dict[str, str], params: dict[str, Any]) -> TrackingRef:
     """Create the flow run's parent run. RUNNING parents left by a killed run of the same
-    output dir are marked KILLED first (they can never finish)."""
+    output dir (its folder lock free or held by this process) are marked KILLED first (they
+    can never finish); a live flow's are never touched."""
     client = client_for(tracking_uri)
     exp_id = ensure_experiment(client, experiment, tracking_uri)
     out = str(Path(output_dir).resolve())
     ids = prefect_ids()
-    kill_stale_runs(client, exp_id, {"a3po.output_dir": out, "a3po.role": "parent"}, note=ids.get("prefect.flow_run_id", "rerun"))
-    run_id = create_run(client, exp_id, run_name, {**tags, **ids, "a3po.output_dir": out, "a3po.role": "parent"}, params)
+    kill_stale_runs(client, exp_id, {"a3po.output_dir": out, "a3po.role": "parent"}, "a3po.output_dir", note=ids.get("prefect.flow_run_id", "rerun"))
+    run_id = create_run(client, exp_id, run_name, {**tags, **ids, "a3po.output_dir": out, "a3po.role": "parent", "a3po.host": socket.gethostname()}, params)
     return TrackingRef(tracking_uri, exp_id, run_id)
 
 

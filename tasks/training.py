@@ -10,12 +10,17 @@ MLflow: one child run per variant x seed under the flow's parent run. A Prefect 
 the child run of its flow run (steps already logged are not logged again); a new flow run
 gets a new child run, marks the killed one KILLED and back-fills the steps restored from the
 checkpoint, so its record is complete.
+
+The task holds its run folder's lock (:mod:`a3po.runlock`) from start to end, and a tracking
+outage does not stop it: metrics land in ``<run_dir>/metrics.jsonl`` and a background shipper
+delivers them to MLflow when it can (see :class:`tasks.tracking.MlflowMetricLogger`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,13 +33,15 @@ from prefect.cache_policies import NO_CACHE
 from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
 from a3po.launch import LaunchSpec
-from a3po.metrics import NullLogger
+from a3po.metrics import FanoutLogger, JsonlLogger, NullLogger
 from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
+from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.runtime import run_logger
 from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
     TrackingRef,
+    TrackingUnavailable,
     client_for,
     create_run,
     find_runs,
@@ -43,6 +50,7 @@ from tasks.tracking import (
     log_metrics_now,
     log_params,
     prefect_ids,
+    short_client_retries,
 )
 from tasks.launch import LaunchRecord, launch_ranks
 
@@ -102,8 +110,8 @@ class RunRecord:
     steps: int
     wall_s: float
     resumed_from: int | None
-    library_s: float = 0.0  # time inside a3po.pipeline.train_variant (includes tracking_s)
-    tracking_s: float = 0.0  # of which: MLflow log_batch calls made by the metric logger
+    library_s: float = 0.0  # time inside a3po.pipeline.train_variant
+    tracking_s: float = 0.0  # MLflow log_batch calls of the metric shipper (its own thread, beside library_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,9 +127,10 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
         run_id = existing[0].info.run_id
         client.update_run(run_id, status="RUNNING")
         return run_id, last_logged_step(client, run_id)
-    kill_stale_runs(client, ref.experiment_id, {"a3po.run_dir": str(run_dir)}, note=ref.parent_run_id)
+    kill_stale_runs(client, ref.experiment_id, {"a3po.run_dir": str(run_dir)}, "a3po.run_dir", note=ref.parent_run_id)
     tags = {
         "a3po.role": "child",
+        "a3po.host": socket.gethostname(),
         "a3po.variant": cfg.rl.variant.value,
         "a3po.seed": str(cfg.rl.seed),
         "a3po.run_dir": str(run_dir),
@@ -133,18 +142,32 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
     return run_id, 0
 
 
-@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def _worth_retrying(task, task_run, state) -> bool:
+    """A retry cannot help a run folder held by another writer, nor a tracking server that
+    stayed down through the end-of-task wait (the message says how to back-fill later)."""
+    return not isinstance(getattr(state, "data", None), (RunFolderBusy, TrackingUnavailable))
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE, retry_condition_fn=_worth_retrying)
 def train_variant(
     cfg: TrainConfig,
     run_dir: str,
     warmstart: WarmStart,
     tracking: TrackingRef | None = None,
     system_metrics_interval_s: float = 10.0,
+    tracking_drain_s: float = 60.0,
 ) -> RunRecord:
-    """RL-train one variant x seed from the warm start (resuming from its last checkpoint)."""
+    """RL-train one variant x seed from the warm start (resuming from its last checkpoint).
+
+    Holds the run folder's lock throughout. Metrics go to ``<run_dir>/metrics.jsonl`` first and
+    reach MLflow through a background shipper, so a tracking outage never stops training; at the
+    end the shipper gets ``tracking_drain_s`` seconds to deliver what is left."""
     log = run_logger()
-    rd = Path(run_dir)
-    rd.mkdir(parents=True, exist_ok=True)
+    with hold_run_folder(run_dir, log=log.warning):
+        return _train_locked(cfg, Path(run_dir), warmstart, tracking, system_metrics_interval_s, tracking_drain_s, log)
+
+
+def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: TrackingRef | None, system_metrics_interval_s: float, tracking_drain_s: float, log) -> RunRecord:
     name = f"{cfg.rl.variant.value} seed {cfg.rl.seed}"
     every = max(1, cfg.rl.steps // 10)
 
@@ -153,28 +176,31 @@ def train_variant(
             acc = f"  held-out acc {m['eval/heldout_acc']:.3f}" if "eval/heldout_acc" in m else ""
             log.info(f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}")
 
-    run_id, monitor, logger = None, None, NullLogger()
+    local = JsonlLogger(rd / "metrics.jsonl")  # first: survives any tracking outage
+    run_id, monitor, shipper, logger = None, None, None, local
     if tracking is not None:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
         run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
         client = client_for(tracking.tracking_uri)
-        logger = MlflowMetricLogger(client, run_id, skip_through_step=done)
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, resume_logging=done > 0, tracking_uri=tracking.tracking_uri)
-        monitor.start()
+        shipper = MlflowMetricLogger(client, run_id, skip_through_step=done, kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s)
+        logger = FanoutLogger(local, shipper)
+        monitor = _start_system_metrics(run_id, tracking.tracking_uri, system_metrics_interval_s, done > 0, log)
     t0 = time.perf_counter()
     try:
-        result = library_train_variant(cfg, rd, warmstart.dir, warmstart.heldout_acc, logger=logger, progress=progress)
-    except BaseException:
-        if run_id is not None:
-            logger.flush()
-            client.set_terminated(run_id, status="FAILED")
+        with short_client_retries():
+            try:
+                result = library_train_variant(cfg, rd, warmstart.dir, warmstart.heldout_acc, logger=logger, progress=progress)
+            finally:
+                library_s = time.perf_counter() - t0
+                if monitor is not None:
+                    monitor.finish()  # catches its own errors; bounded by the short client timeouts
+            if shipper is not None:
+                backfilled = shipper.ensure_history(result.history)
+                shipper.close()  # raises TrackingUnavailable when the server is still down
+    except BaseException as e:
+        if shipper is not None and not isinstance(e, TrackingUnavailable):
+            _mark_failed(shipper, client, run_id, log)
         raise
-    finally:
-        library_s = time.perf_counter() - t0
-        if monitor is not None:
-            monitor.finish()
-    tracking_s = getattr(logger, "seconds", 0.0)
+    tracking_s = shipper.seconds if shipper is not None else 0.0
     if result.resumed_from:
         log.info(f"{name}: resumed from the checkpoint at step {result.resumed_from}")
     for skipped in result.checkpoints_skipped:
@@ -182,7 +208,6 @@ def train_variant(
     history_path = rd / "history.jsonl"
     atomic_write_text(history_path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(result.history)))
     if run_id is not None:
-        backfilled = logger.ensure_history(result.history)
         steps = len(result.history)
         log_metrics_now(client, run_id, {
             "final/heldout_acc": result.final_acc,
@@ -194,6 +219,8 @@ def train_variant(
         client.set_tag(run_id, "a3po.backfilled_steps", str(backfilled))
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
             client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
+        if shipper.outages:
+            log.warning(f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; every metric was shipped afterwards")
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result.variant,
@@ -293,6 +320,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         client = client_for(tracking.tracking_uri)
         logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id))
         logger.ensure_history(history)
+        logger.close()  # ships the back-fill, stops the shipper thread
         log_metrics_now(client, run_id, {
             "final/heldout_acc": final_acc,
             "final/reward": final_reward(history),
@@ -328,3 +356,25 @@ def train_launched(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, trackin
             mark_run_failed(tracking, run_id)
         raise
     return record_launched_run(cfg, run_dir, tracking, run_id, launched)
+def _start_system_metrics(run_id: str, tracking_uri: str, interval_s: float, resume: bool, log):
+    """MLflow's system-metrics sampler, or None: it must never be the reason training fails."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        with short_client_retries():
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=tracking_uri)
+        monitor.start()
+        return monitor
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"system metrics off for this run: {type(e).__name__}: {e}")
+        return None
+
+
+def _mark_failed(shipper: MlflowMetricLogger, client, run_id: str, log) -> None:
+    """Best effort on the way out of a failed task: ship what is queued and mark the run
+    FAILED, without hiding the original error behind a tracking one."""
+    try:
+        shipper.close(timeout_s=10)
+        client.set_terminated(run_id, status="FAILED")
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"could not mark MLflow run {run_id} FAILED ({type(e).__name__}); the next run of this folder marks it KILLED")
