@@ -1,10 +1,10 @@
 """Prompt templates: how a bare problem becomes the text the model continues.
 
-Instruction-tuned models are evaluated through their own chat template, rendered by the same
-function that formats training prompts (``a3po.prompts.format_prompt``), so a policy trained
-with ``data.prompt_format: auto`` (or ``chat``) and ``data.instruction`` set to the
-instruction below sees identical prompts in training and on the benchmarks. They are asked to put the final
-answer in ``\\boxed{}`` (what the grader looks for first); a tokenizer without a chat template
+Instruction-tuned models are evaluated through their own chat template, asked to put the final
+answer in ``\\boxed{}`` (what the grader looks for first). The chat rendering is the function that
+formats training prompts (``a3po.prompts.format_prompt``): a policy trained with
+``data.prompt_format: auto`` (or ``chat``) and ``data.instruction`` set to the instruction below
+sees identical prompts in training and on the benchmarks. Otherwise a tokenizer without a chat template
 (a base model, the in-code tiny tokenizer) gets a plain "Question: ... Answer:" layout with the
 same instruction. ``auto`` picks between the two; ``raw`` passes the prompt through unchanged
 (the embedded arithmetic task stores ready-made prompts). Templates are registered by name.
