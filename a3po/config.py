@@ -19,6 +19,7 @@ import yaml
 
 from a3po.arithmetic import ArithmeticDifficulty
 from a3po.devices import Device, DType
+from a3po.prompts import PROMPT_FORMATS, PromptFormat
 
 
 class Variant(str, Enum):
@@ -51,7 +52,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     task: str = "arith"
-    """Reward/grader task name (see ``eval.grading``): arith, gsm8k, math500, aime24."""
+    """Reward/grader task name (see ``a3po.grading``): arith, gsm8k, math500, aime24."""
     train_path: str | None = None
     """JSONL of {id, prompt, gold} rows; None generates the embedded arithmetic task."""
     heldout_path: str | None = None
@@ -68,10 +69,29 @@ class DataConfig:
     """Embedded task: fraction of warm-start solutions with a slipped result (see
     :class:`a3po.arithmetic.ArithmeticDifficulty`)."""
     max_prompt_tokens: int = 96
+    """Longest prompt, in tokens of the formatted prompt (chat template and instruction included)."""
     on_bad_row: str = "error"
     """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""
+    prompt_format: PromptFormat = "auto"
+    """How a row's prompt becomes the model input, in training, held-out evaluation and the
+    benchmarks alike (:mod:`a3po.prompts`): 'chat' (the tokenizer's chat template; an error
+    without one), 'plain' (unchanged), 'auto' (chat when the tokenizer has a template; the
+    built-in models' tokenizer has none)."""
+    instruction: str = ""
+    """Appended to every prompt on a line of its own before formatting; set it to the benchmarks'
+    instruction (``eval.prompts.DEFAULT_INSTRUCTION``) to train on the prompts they evaluate."""
+    prompt_field: str = "prompt"
+    """JSONL field holding the problem (GSM8K files: 'question')."""
+    gold_field: str = "gold"
+    """JSONL field holding the gold answer (GSM8K files: 'answer'; its '#### N' line is the gold)."""
 
     def __post_init__(self) -> None:
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"data.prompt_format must be one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
+        if not (self.prompt_field and self.gold_field) or self.prompt_field == self.gold_field:
+            raise ValueError("data.prompt_field and data.gold_field must be two different non-empty names")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.on_bad_row not in ("error", "skip"):
             raise ValueError(f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
         if self.n_train < 1 or self.n_heldout < 1:
@@ -85,9 +105,15 @@ class WarmStartConfig:
     """Supervised warm start so RL begins from partial competence."""
 
     steps: int = 400
+    """Supervised steps; 0 skips the warm start (RL starts from the model as it is, and rows
+    need no 'solution' field)."""
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("warm_start.steps must be >= 0, warm_start.batch_size >= 1 and warm_start.lr > 0")
 
 
 @dataclass(frozen=True)
@@ -167,6 +193,16 @@ class RLConfig:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
                 raise KeyError(f"rl.{name}: {e.args[0]}") from None
+
+
+# Data fields added after cache keys were first published, with their defaults: left out of the
+# keys while at the default, so warm-start and dataset caches made before them keep their names.
+_DATA_FIELDS_KEYED_WHEN_SET = {"prompt_format": "auto", "instruction": "", "prompt_field": "prompt", "gold_field": "gold"}
+
+
+def data_identity(data: DataConfig) -> dict[str, Any]:
+    """The data config as cache keys hash it (see :data:`_DATA_FIELDS_KEYED_WHEN_SET`)."""
+    return {k: v for k, v in dataclasses.asdict(data).items() if _DATA_FIELDS_KEYED_WHEN_SET.get(k, object()) != v}
 
 
 def effective_max_staleness(rl: RLConfig) -> int:

@@ -25,8 +25,9 @@ from typing import Callable
 
 import torch
 
-from a3po.rewards import grader_counts
 from a3po.devices import model_device, sampling_generator
+from a3po.prompts import PromptStyle
+from a3po.rewards import grader_counts
 from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 
@@ -104,11 +105,12 @@ class Admission:
 
 
 class PromptSampler:
-    """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts."""
+    """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts.
+    Prompts are formatted by ``style`` (chat template, instruction) before tokenising."""
 
-    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int) -> None:
+    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int, style: PromptStyle = PromptStyle()) -> None:
         self.rows, self.batch_prompts, self.group_size, self.seed = rows, batch_prompts, group_size, seed
-        self._ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in rows]
 
     def batch(self, j: int) -> tuple[list[list[int]], list[dict]]:
         rng = random.Random(f"{self.seed}:prompts:{j}")

@@ -7,13 +7,13 @@ a prompt longer than the context budget, raises an error naming the source and t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from a3po.arithmetic import ArithmeticDifficulty, generate_split
 from a3po.config import DataConfig
-from a3po.utf8_lines import utf8_lines
+from a3po.prompts import PromptStyle
+from a3po.utf8_lines import json_lines
 
 
 class BadRowError(ValueError):
@@ -34,20 +34,19 @@ class DatasetReport:
 REQUIRED_FIELDS = ("prompt", "gold")
 
 
+def prompt_style(cfg: DataConfig) -> PromptStyle:
+    """How this data config's prompts become model inputs (see :mod:`a3po.prompts`)."""
+    return PromptStyle(format=cfg.prompt_format, instruction=cfg.instruction)
+
+
 def read_jsonl(path: str | Path, on_bad_row: str = "error") -> list[dict]:
     """Rows of a JSONL file; a line that is not UTF-8 or not a JSON object raises naming file and
     line, or (``on_bad_row='skip'``) becomes a row carrying ``_error`` that :func:`validate_rows`
     counts."""
     rows = []
-    for lineno, line, problem in utf8_lines(path):  # each line decoded on its own: bad bytes name their row
-        if line is not None:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                problem = None if isinstance(row, dict) else f"expected a JSON object, got {type(row).__name__}"
-            except json.JSONDecodeError as e:
-                problem = f"not valid JSON ({e.msg})"
+    for lineno, row, problem in json_lines(path):  # each line decoded on its own: bad bytes name their row
+        if problem is None and not isinstance(row, dict):
+            problem = f"expected a JSON object, got {type(row).__name__}"
         if problem is not None:
             if on_bad_row == "error":
                 raise BadRowError(f"{path}: row {lineno}: {problem}")
@@ -57,26 +56,38 @@ def read_jsonl(path: str | Path, on_bad_row: str = "error") -> list[dict]:
     return rows
 
 
-def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_row: str, source: str) -> tuple[list[dict], DatasetReport]:
-    """Check every row has a non-empty string prompt and gold and fits the prompt budget."""
+def validate_rows(
+    rows: list[dict],
+    tokenizer,
+    max_prompt_tokens: int,
+    on_bad_row: str,
+    source: str,
+    style: PromptStyle = PromptStyle(),
+    fields: tuple[str, str] = REQUIRED_FIELDS,
+    extra_fields: tuple[str, ...] = (),
+) -> tuple[list[dict], DatasetReport]:
+    """Check every row has a non-empty string prompt and gold (read from ``fields``, the
+    prompt and gold field names; kept rows carry them as 'prompt' and 'gold' as well), has
+    ``extra_fields``, and that its prompt, formatted by ``style``, fits the prompt budget."""
     report = DatasetReport(source=source, n_rows=len(rows))
     kept = []
     for i, row in enumerate(rows):
         where = f"{source}: row {row.get('_row', i + 1)}"
         problem = None
-        missing = [k for k in REQUIRED_FIELDS if k not in row]
+        missing = [k for k in (*fields, *extra_fields) if k not in row]
         if "_error" in row:
             problem = row["_error"]
         elif missing:
             problem = f"missing field(s) {missing}"
-        elif not all(isinstance(row[k], str) and row[k].strip() for k in REQUIRED_FIELDS):
-            problem = "empty or non-string 'prompt'/'gold'"
+        elif not all(isinstance(row[k], str) and row[k].strip() for k in fields):
+            problem = f"empty or non-string {fields[0]!r}/{fields[1]!r}"
         else:
-            n_tok = len(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
+            n_tok = len(tokenizer(style.render(row[fields[0]], tokenizer), add_special_tokens=False)["input_ids"])
             if n_tok > max_prompt_tokens:
                 problem = f"prompt has {n_tok} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
         if problem is None:
-            kept.append({**{k: v for k, v in row.items() if k != "_row"}, "id": str(row.get("id", f"{source}#{i}"))})
+            named = dict(zip(REQUIRED_FIELDS, (row[fields[0]], row[fields[1]])))
+            kept.append({**{k: v for k, v in row.items() if k != "_row"}, **named, "id": str(row.get("id", f"{source}#{i}"))})
             continue
         if on_bad_row == "error":
             raise BadRowError(f"{where}: {problem}")
@@ -87,11 +98,25 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
     return kept, report
 
 
-def load_rows(cfg: DataConfig, tokenizer) -> tuple[list[dict], list[dict], list[DatasetReport]]:
-    """Train and held-out rows for ``cfg``, validated against ``tokenizer``."""
+def load_rows(cfg: DataConfig, tokenizer, require_solution: bool = False) -> tuple[list[dict], list[dict], list[DatasetReport]]:
+    """Train and held-out rows for ``cfg``, validated against ``tokenizer``. With
+    ``require_solution`` (a warm start will run) every training row needs a 'solution'."""
     diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate)
     raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed, diff)
     raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff)
-    train, r1 = validate_rows(raw_train, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.train_path or "arith:train")
-    held, r2 = validate_rows(raw_held, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.heldout_path or "arith:heldout")
+    try:
+        style = prompt_style(cfg)
+        style.render("x", tokenizer)  # 'chat' without a chat template fails here, before any row
+    except ValueError as e:
+        raise BadRowError(f"data.prompt_format: {e}") from None
+    fields = (cfg.prompt_field, cfg.gold_field)
+    check = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row, style=style, fields=fields)
+    solution = ("solution",) if require_solution else ()
+    try:
+        train, r1 = validate_rows(raw_train, tokenizer, source=cfg.train_path or "arith:train", extra_fields=solution, **check)
+    except BadRowError as e:
+        if require_solution and "'solution'" in str(e):
+            raise BadRowError(f"{e} (the warm start trains on it; set warm_start.steps: 0 to skip the warm start)") from None
+        raise
+    held, r2 = validate_rows(raw_held, tokenizer, source=cfg.heldout_path or "arith:heldout", **check)
     return train, held, [r1, r2]

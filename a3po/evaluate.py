@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from a3po.data import prompt_style
+from a3po.prompts import PromptStyle
 from a3po.rewards import score_completions
 from a3po.rollout import SamplingParams, generate_text
 
@@ -25,9 +27,11 @@ def heldout_accuracy(
     samples: int = 1,
     seed: int = 0,
     batch_size: int = 64,
+    style: PromptStyle = PromptStyle(),
 ) -> float:
-    """Mean grader score over ``rows`` x ``samples`` completions (greedy when temperature is 0)."""
-    prompts = [r["prompt"] for r in rows for _ in range(samples)]
+    """Mean grader score over ``rows`` x ``samples`` completions (greedy when temperature is 0),
+    prompts formatted by ``style`` as in training."""
+    prompts = [style.render(r["prompt"], tokenizer) for r in rows for _ in range(samples)]
     params = SamplingParams(max_new_tokens, temperature=temperature)
     completions = generate_text(model, tokenizer, prompts, params, seed=seed, batch_size=batch_size)
     golds = [r["gold"] for r in rows for _ in range(samples)]
@@ -41,10 +45,10 @@ def evaluate_heldout(model, tokenizer, rows: list[dict], cfg) -> dict[str, float
     the training temperature (``eval/heldout_acc``) and greedy pass@1. The sampling seed is
     fixed, not the run's: every variant and checkpoint is scored on the same random numbers,
     which takes sampling noise out of the comparison."""
-    rl = cfg.rl
+    rl, style = cfg.rl, prompt_style(cfg.data)
     return {
         "eval/heldout_acc": heldout_accuracy(
-            model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature, rl.eval_samples, seed=0
+            model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature, rl.eval_samples, seed=0, style=style
         ),
-        "eval/heldout_greedy_acc": heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens),
+        "eval/heldout_greedy_acc": heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style),
     }

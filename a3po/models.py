@@ -19,6 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from a3po.arithmetic import WORDS
 from a3po.tokenizer import build_tokenizer
 
 
@@ -73,23 +74,42 @@ def build_tiny_model(
     return model.float().to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def load_pretrained(
-    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+def load_model(
+    name: str | Path, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any causal LM and its tokenizer from a local directory or hub name, on ``device`` in ``dtype``.
+    """``(model, tokenizer)`` for a model name as configs and command lines give it: a built-in
+    size (:data:`TINY_ARCHS`, randomly initialised from ``seed`` over the embedded task's
+    vocabulary) or a local path / hub name of any causal LM."""
+    if str(name) in TINY_ARCHS:
+        return build_tiny_model(str(name), WORDS, seed=seed, device=device, dtype=dtype)
+    return load_pretrained(name, dtype=dtype, device=device)
 
-    Raises FileNotFoundError with the path when a local-looking path does not exist, rather
-    than letting the hub client try (and time out) offline.
-    """
+
+def load_tokenizer(name: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of :func:`load_model` without loading the model's weights."""
+    if str(name) in TINY_ARCHS:
+        return build_tokenizer(WORDS)
+    return _load_tokenizer(_source(name))
+
+
+def _source(name_or_path: str | Path) -> str:
+    """A local directory's path, or the hub name. Raises FileNotFoundError with the path when a
+    local-looking path does not exist, rather than letting the hub client try (and time out)
+    offline."""
     p = Path(name_or_path)
     if (str(name_or_path).startswith((".", "/", "~")) or p.exists()) and not p.expanduser().exists():
         raise FileNotFoundError(f"model path {p} does not exist")
-    source = str(p.expanduser()) if p.exists() else str(name_or_path)
+    return str(p.expanduser()) if p.exists() else str(name_or_path)
+
+
+def load_pretrained(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any causal LM and its tokenizer from a local directory or hub name, on ``device`` in
+    ``dtype`` (FileNotFoundError naming a local-looking path that does not exist)."""
+    source = _source(name_or_path)
     tokenizer = _load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
-    if tokenizer.pad_token_id is None:
-        # Many chat models ship without a pad token; padding is always masked, so eos serves.
-        tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
 
 
@@ -101,8 +121,15 @@ def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     if cfg_file.exists():
         tok_class = json.loads(cfg_file.read_text()).get("tokenizer_class")
         if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-            return PreTrainedTokenizerFast.from_pretrained(source)
-    return AutoTokenizer.from_pretrained(source)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        # Many chat models ship without a pad token; padding is always masked, so eos serves.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

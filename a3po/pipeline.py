@@ -18,14 +18,13 @@ from typing import Callable
 
 import torch
 
-from a3po.arithmetic import WORDS
-from a3po.config import TrainConfig
-from a3po.data import load_rows
+from a3po.config import TrainConfig, data_identity
+from a3po.data import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.distributed import ranks_from_env
 from a3po.evaluate import evaluate_heldout
 from a3po.metrics import MetricLogger
-from a3po.models import TINY_ARCHS, build_tiny_model, load_pretrained
+from a3po.models import load_model, load_pretrained
 from a3po.trainer import TrainResult, rl_train
 from a3po.warmstart import warm_start
 
@@ -33,16 +32,13 @@ from a3po.warmstart import warm_start
 def build_model(cfg: TrainConfig):
     """A built-in architecture name, or a path / hub name of a pretrained causal LM, on the
     configured device and dtype."""
-    device, dtype = resolve_device(cfg.device), cfg.dtype.torch
-    if cfg.model.name in TINY_ARCHS:
-        return build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed, device=device, dtype=dtype)
-    return load_pretrained(cfg.model.name, dtype=dtype, device=device)
+    return load_model(cfg.model.name, seed=cfg.model.init_seed, device=resolve_device(cfg.device), dtype=cfg.dtype.torch)
 
 
 def warmstart_key(cfg: TrainConfig) -> str:
     # The held-out measure depends on the RL sampling settings, so they are part of the key.
     measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
-    parts = {"model": asdict(cfg.model), "data": asdict(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure}
+    parts = {"model": asdict(cfg.model), "data": data_identity(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure}
     # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
     # made before devices were configurable keep their names.
     runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
@@ -78,10 +74,13 @@ def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[s
     if meta.exists():
         return out, json.loads(meta.read_text())["heldout_acc"]
     model, tokenizer = build_model(cfg)
-    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
+    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer, require_solution=cfg.warm_start.steps > 0)
     torch.manual_seed(cfg.warm_start.seed)
-    log(f"warm start: {cfg.warm_start.steps} supervised steps on {len(train_rows)} problems")
-    ws = warm_start(model, tokenizer, train_rows, cfg.warm_start)
+    if cfg.warm_start.steps:
+        log(f"warm start: {cfg.warm_start.steps} supervised steps on {len(train_rows)} problems")
+    else:
+        log("warm start: skipped (warm_start.steps = 0); RL starts from the model as it is")
+    ws = warm_start(model, tokenizer, train_rows, cfg.warm_start, style=prompt_style(cfg.data))
     held = evaluate_heldout(model, tokenizer, heldout_rows, cfg)
     acc = held["eval/heldout_acc"]
     save_pretrained_atomic(model, tokenizer, out)

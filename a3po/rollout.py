@@ -24,6 +24,7 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 
 from a3po.devices import autocast_for, model_device, sampling_generator
 from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
+from a3po.padding import left_pad
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,9 @@ class RolloutEngine:
         if generator is not None and generator.device.type != device.type:
             raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}; "
                              "create it with a3po.devices.sampling_generator(device, seed)")
-        n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = 1
+        n = len(prompts)
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        width = ids.shape[1]
         ids, mask = ids.to(device), mask.to(device)
 
         new_tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)

@@ -18,6 +18,7 @@ from a3po.advantages import ADVANTAGE_ESTIMATORS
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
+from a3po.data import prompt_style
 from a3po.devices import model_device, model_dtype, synchronize
 from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
 from a3po.evaluate import evaluate_heldout
@@ -255,7 +256,7 @@ def rl_train(
     engine_model.to(dtype=model_dtype(policy))
     engine_model.load_state_dict(store.get(store.latest))
     engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
-    sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed)
+    sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(cfg.data))
     batch_size = rl.batch_prompts * rl.group_size
     producer = RolloutProducer(
         engine,

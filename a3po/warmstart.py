@@ -11,32 +11,35 @@ import torch
 from a3po.config import WarmStartConfig
 from a3po.devices import autocast_for, model_device
 from a3po.logprobs import position_ids_from_mask
+from a3po.padding import left_pad
+from a3po.prompts import PromptStyle
 
 
-def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded ``prompt + solution + eos``; labels are -100 outside the solution."""
-    seqs, n_prompt = [], []
+def sft_batch(tokenizer, rows: list[dict], style: PromptStyle = PromptStyle()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ``prompt + solution + eos`` (the prompt formatted by ``style``, as RL will
+    see it); labels are -100 outside the solution."""
+    seqs, targets = [], []
     for r in rows:
-        p = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        p = tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
         s = tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p + s)
-        n_prompt.append(len(p))
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (s, npr) in enumerate(zip(seqs, n_prompt)):
-        off = width - len(s)
-        ids[i, off:] = torch.tensor(s)
-        mask[i, off:] = 1
-        labels[i, off + npr :] = torch.tensor(s[npr:])
+        targets.append([-100] * len(p) + s)
+    ids, mask = left_pad(seqs, tokenizer.pad_token_id)
+    labels, _ = left_pad(targets, -100)
     return ids, mask, labels
 
 
-def warm_start(model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmStartConfig, progress=None) -> dict[str, float]:
-    """Train ``model`` in place for ``cfg.steps`` steps; returns the final loss."""
-    if any("solution" not in r for r in rows):
-        raise ValueError("warm start needs rows with a 'solution' field (the embedded task has one)")
+def warm_start(
+    model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmStartConfig, progress=None, style: PromptStyle = PromptStyle()
+) -> dict[str, float]:
+    """Train ``model`` in place for ``cfg.steps`` steps; returns the final loss. ``cfg.steps ==
+    0`` leaves the model as it is (and rows need no solution)."""
+    if cfg.steps == 0:
+        return {"warmstart/steps": 0.0}
+    lacking = next((r for r in rows if "solution" not in r), None)
+    if lacking is not None:
+        raise ValueError(f"warm start needs a 'solution' in every training row; row {lacking.get('id')!r} has none "
+                         "(set warm_start.steps: 0 to skip the warm start)")
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a tiny model trained at a high rate ends noisy otherwise.
@@ -48,7 +51,7 @@ def warm_start(model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmSta
     device = model_device(model)
     loss_val = float("nan")
     for step in range(cfg.steps):
-        ids, mask, labels = (t.to(device) for t in sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows)))))
+        ids, mask, labels = (t.to(device) for t in sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows))), style))
         with autocast_for(model):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
         logits = logits.float()  # the loss in fp32 whatever the weights (a no-op in fp32)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(args.data_dir) if args.data_dir else shared_data_dir()
     items = build_mix(args.n, source, args.seed)
 
-    from eval import grading
+    from a3po import grading
 
     grading.reset_stats()
     per_task: dict[str, list[float]] = {}

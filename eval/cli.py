@@ -86,7 +86,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eval import grading
+    from a3po import grading
     from eval.prompts import PromptConfig
     from eval.runner import EvalConfig, load_model, run_eval
 

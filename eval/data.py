@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from a3po.registry import Registry
-from a3po.utf8_lines import undecodable, utf8_lines
+from a3po.utf8_lines import json_lines, undecodable
 
 FIXTURES_DIR = Path(__file__).with_name("fixtures")
 
@@ -51,7 +51,7 @@ class EvalRecord:
 class BenchmarkSpec:
     """Where a benchmark lives on the hub and how its rows become records."""
 
-    task: str  # the grading task (eval.grading.TASKS)
+    task: str  # the grading task (a3po.grading.TASKS)
     hub_path: str | None
     hub_name: str | None
     hub_split: str
@@ -138,22 +138,17 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SchemaError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+            raise SchemaError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
         rows = data.get("data", data.get("rows")) if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise SchemaError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
         for i, row in enumerate(rows, start=1):
             yield i, row
         return
-    for lineno, line, problem in utf8_lines(path):  # each line decoded on its own: bad bytes name their row
+    for lineno, row, problem in json_lines(path):  # each line decoded on its own: bad bytes name their row
         if problem is not None:
             raise SchemaError(f"{path}: row {lineno}: {problem}")
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SchemaError(f"{path}: row {lineno}: invalid JSON ({e.msg})") from None
+        yield lineno, row
 
 
 def _get(row: dict, name: str) -> Any:

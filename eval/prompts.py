@@ -1,7 +1,10 @@
 """Prompt templates: how a bare problem becomes the text the model continues.
 
 Instruction-tuned models are evaluated through their own chat template, asked to put the final
-answer in ``\\boxed{}`` (what the grader looks for first); a tokenizer without a chat template
+answer in ``\\boxed{}`` (what the grader looks for first). The chat rendering is the function that
+formats training prompts (``a3po.prompts.format_prompt``): a policy trained with
+``data.prompt_format: auto`` (or ``chat``) and ``data.instruction`` set to the instruction below
+sees identical prompts in training and on the benchmarks. Otherwise a tokenizer without a chat template
 (a base model, the in-code tiny tokenizer) gets a plain "Question: ... Answer:" layout with the
 same instruction. ``auto`` picks between the two; ``raw`` passes the prompt through unchanged
 (the embedded arithmetic task stores ready-made prompts). Templates are registered by name.
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from a3po.prompts import format_prompt, has_chat_template
 from a3po.registry import Registry
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -34,17 +38,9 @@ Template = Callable[[str, Any, PromptConfig], str]
 TEMPLATES: Registry[Template] = Registry("prompt template")
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 @TEMPLATES.register("chat")
 def chat_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
-    if not has_chat_template(tokenizer):
-        raise ValueError("template 'chat' needs a tokenizer with a chat template; use 'plain' or 'auto'")
-    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    messages.append({"role": "user", "content": f"{problem}\n{cfg.instruction}".strip()})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return format_prompt(problem, tokenizer, "chat", cfg.instruction, cfg.system)
 
 
 @TEMPLATES.register("plain")

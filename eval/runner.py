@@ -2,7 +2,7 @@
 
 Reads top to bottom like the pipeline: load records -> render prompts -> generate (batched, via
 the project's rollout engine ``a3po.rollout.generate_text``) -> cut at stop strings -> grade
-(``eval.grading``) -> metrics (``eval.metrics``) -> write ``results.json`` and one JSONL line per
+(``a3po.grading``) -> metrics (``eval.metrics``) -> write ``results.json`` and one JSONL line per
 completion (prompt, completion, extracted answer, gold, score). Greedy decoding gives pass@1;
 ``n_samples`` sampled completions per problem give mean@n and unbiased pass@k.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eval.data import BENCHMARKS, EvalRecord, load_benchmark
-from eval.grading import grade, stats
+from a3po.grading import grade, stats
 from eval.metrics import mean, summarize_samples
 from eval.prompts import PromptConfig, render
 
@@ -95,17 +95,12 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 def load_model(spec: str):
-    """``(model, tokenizer, name)`` for ``spec``: ``tiny`` (a random tiny model over the embedded
-    task's vocabulary, for offline smoke runs) or a local checkpoint / hub name."""
-    if spec == "tiny":
-        from a3po.arithmetic import WORDS
-        from a3po.models import build_tiny_model
+    """``(model, tokenizer, name)`` for ``spec``: a built-in size such as ``tiny`` (a random
+    model over the embedded task's vocabulary, for offline smoke runs) or a local checkpoint /
+    hub name (``a3po.models.load_model``, as training loads them)."""
+    from a3po.models import load_model as load
 
-        model, tokenizer = build_tiny_model("tiny", WORDS)
-        return model, tokenizer, "tiny"
-    from a3po.models import load_pretrained
-
-    model, tokenizer = load_pretrained(spec)
+    model, tokenizer = load(spec)
     return model, tokenizer, str(spec)
 
 

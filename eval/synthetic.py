@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from eval.answers import plain_number
+from a3po.grading.answers import plain_number
 
 _FIRST_INT = re.compile(r"\d+")
 _TEXT = re.compile(r"\\text\{([^{}]*)\}")

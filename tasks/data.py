@@ -10,7 +10,6 @@ so training on the materialised files equals training on the source.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from prefect import task
 
-from a3po.config import TrainConfig, with_overrides
+from a3po.config import TrainConfig, data_identity, with_overrides
 from a3po.data import load_rows
 
 
@@ -47,7 +46,7 @@ def file_sha256(path: str | Path) -> str:
 def dataset_key(cfg: TrainConfig) -> str:
     """Hash of what determines the rows: the data config, the tokenizer (prompt-length checks)
     and the contents of any source files."""
-    parts = {"data": dataclasses.asdict(cfg.data), "tokenizer": cfg.model.name}
+    parts = {"data": data_identity(cfg.data), "tokenizer": cfg.model.name}
     for name in ("train_path", "heldout_path"):
         path = getattr(cfg.data, name)
         if path:
@@ -57,16 +56,9 @@ def dataset_key(cfg: TrainConfig) -> str:
 
 def tokenizer_for(cfg: TrainConfig):
     """The policy's tokenizer without building the model (built-in archs use the in-code one)."""
-    from a3po.models import TINY_ARCHS
+    from a3po.models import load_tokenizer
 
-    if cfg.model.name in TINY_ARCHS:
-        from a3po.arithmetic import WORDS
-        from a3po.tokenizer import build_tokenizer
-
-        return build_tokenizer(WORDS)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model.name)
+    return load_tokenizer(cfg.model.name)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

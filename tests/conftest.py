@@ -48,7 +48,7 @@ def _core_digit_reward(task: str, completions: list[str], golds: list[str], ids:
 
 @pytest.fixture(scope="module")
 def core_stub_rewards():
-    """Replace the grader behind RL rewards and held-out accuracy (``eval.grading.score`` via
+    """Replace the grader behind RL rewards and held-out accuracy (``a3po.grading.score`` via
     ``a3po.rewards.score_completions``, imported by name in trainer and evaluate) for a module."""
     import a3po.evaluate
     import a3po.rewards

@@ -190,14 +190,14 @@ def test_registry_duplicate_name_raises_and_unknown_lists_valid():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_reward_raises_naming_the_row(monkeypatch, bad):
-    import eval.grading
+    import a3po.grading
 
     from a3po.rewards import RewardError, score_completions
 
     # A grader (or a custom reward) that returns a non-finite score for one completion.
     monkeypatch.setattr(
-        eval.grading, "grade",
-        lambda task, completion, gold, **kw: eval.grading.GradeResult(bad if completion == "boom" else 1.0, None, "none", "skipped", gold),
+        a3po.grading, "grade",
+        lambda task, completion, gold, **kw: a3po.grading.GradeResult(bad if completion == "boom" else 1.0, None, "none", "skipped", gold),
     )
     assert score_completions("arith", ["ok"], ["1"], ["row-a"]) == [1.0]
     with pytest.raises(RewardError, match=r"reward for row 'row-b' is not finite"):

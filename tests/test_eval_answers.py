@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.answers import answer_is, extract_answer, hash_answer, last_boxed, last_number, plain_number
+from a3po.grading.answers import answer_is, extract_answer, hash_answer, last_boxed, last_number, plain_number
 
 
 @pytest.mark.parametrize(

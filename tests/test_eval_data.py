@@ -66,7 +66,7 @@ def test_row_numbers_are_line_numbers_and_bad_json_is_reported(tmp_path: Path) -
     with pytest.raises(SchemaError, match=r"row 3: missing field 'answer'"):
         load_benchmark("gsm8k", path)
     path.write_text('{"question": "q", "answer": "#### 1"}\n{oops\n')
-    with pytest.raises(SchemaError, match=r"bad.jsonl: row 2: invalid JSON"):
+    with pytest.raises(SchemaError, match=r"bad.jsonl: row 2: not valid JSON"):
         load_benchmark("gsm8k", path)
 
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from eval import grading
-from eval.grading import GradeResult, GradingConfig, grade, score
+from a3po import grading
+from a3po.grading import GradeResult, GradingConfig, grade, score
 
 HANG = "so the answer is \\boxed{10^{10^{10^{10}}}}."  # sympy tries to build a 10-billion-digit integer
 TIMEOUT_S = 1.0
@@ -161,14 +161,14 @@ def test_config_is_validated() -> None:
 
 
 def test_importing_the_grader_stays_light() -> None:
-    # The trainer imports eval.grading for its reward: no torch, sympy, math-verify or lm-eval in-process.
+    # The trainer imports a3po.grading for its reward: no torch, sympy, math-verify or lm-eval in-process.
     import subprocess
     import sys
     from pathlib import Path
 
     code = (
-        "import sys, eval, eval.grading; heavy = ('torch', 'sympy', 'math_verify', 'lm_eval', 'datasets', 'transformers');"
-        "eval.grading.score('arith', '#### 3', '3'); print([m for m in heavy if m in sys.modules])"
+        "import sys, a3po.grading; heavy = ('torch', 'sympy', 'math_verify', 'lm_eval', 'datasets', 'transformers');"
+        "a3po.grading.score('arith', '#### 3', '3'); print([m for m in heavy if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -19,7 +19,7 @@ import pytest
 
 from eval import lm_eval_bridge
 from eval.data import fixture_path
-from eval.grading import score
+from a3po.grading import score
 from eval.synthetic import wrong_answer
 
 
@@ -39,7 +39,7 @@ def variants(solution: str) -> list[tuple[str, float]]:
 
 
 def agreement(task, docs: list[dict]) -> tuple[int, list]:
-    """(completions compared, mismatches) between lm-eval strict-match, eval.grading and the expectation."""
+    """(completions compared, mismatches) between lm-eval strict-match, a3po.grading and the expectation."""
     n, mismatches = 0, []
     for j in range(len(variants(docs[0]["answer"]))):
         texts = [variants(d["answer"])[j][0] for d in docs]
@@ -72,7 +72,7 @@ def test_strict_match_agrees_on_the_real_gsm8k_test(shared_data: Path, workdir: 
     docs = list(task.eval_docs)
     assert len(docs) == 1319
     n, mismatches = agreement(task, docs)
-    print(f"\ngsm8k strict-match: lm-eval and eval.grading agree (and match the expectation) on {n - len(mismatches)}/{n} completions")
+    print(f"\ngsm8k strict-match: lm-eval and a3po.grading agree (and match the expectation) on {n - len(mismatches)}/{n} completions")
     assert mismatches == []
 
 

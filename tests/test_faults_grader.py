@@ -3,7 +3,7 @@
 Real failures, no mocks: a worker interpreter that does not exist (the worker cannot start), and
 an evaluator memory limit so small that math-verify cannot work (it fails its self-check, or
 every comparison). Fraction golds (``3/4``) are not plain numbers, so the fast path cannot decide
-them and every extracted answer goes to math-verify (see ``eval.grading``).
+them and every extracted answer goes to math-verify (see ``a3po.grading``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from a3po.metrics import JsonlLogger
 from a3po.models import build_tiny_model
 from a3po.rewards import score_completions
 from a3po.trainer import rl_train
-from eval import grading
-from eval.grading import GraderUnavailable, GradingConfig
+from a3po import grading
+from a3po.grading import GraderUnavailable, GradingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FRACTIONS = ["3/4", "1/2", "2/3", "5/4"]
@@ -64,7 +64,7 @@ def test_rl_run_whose_worker_cannot_start_exits_non_zero_naming_the_reason(tmp_p
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"data": {k: getattr(cfg.data, k) for k in ("task", "train_path", "heldout_path")}}))
     missing = tmp_path / "no-such-python"
     driver = (
-        "import sys; from eval import grading; "
+        "import sys; from a3po import grading; "
         f"grading.set_config(grading.GradingConfig(worker_python={str(missing)!r})); "
         "from a3po.cli import main; "
         f"sys.exit(main(['train', '--preset', 'micro', '--config', {str(tmp_path / 'cfg.yaml')!r}, '--steps', '2', "

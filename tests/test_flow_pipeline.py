@@ -40,7 +40,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from eval.data import BENCHMARKS
-    from eval.grading import score
+    from a3po.grading import score
     from flows.compare_variants import compare_variants
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

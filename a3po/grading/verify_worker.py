@@ -8,7 +8,7 @@ timeouts are passed as disabled here and the bound is enforced from outside, by 
 
 Layout (three processes)::
 
-    caller (eval.verifier.Verifier) --pipe--> supervisor (this file, run as a script)
+    caller (a3po.grading.verifier.Verifier) --pipe--> supervisor (this file, run as a script)
                                                    |  fork()
                                                    v
                                               evaluator child: parse + verify

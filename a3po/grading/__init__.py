@@ -6,11 +6,11 @@ extracted and how, for per-item records. The steps:
 
 1. the gold is normalised by the task (GSM8K: the number on its ``#### N`` line, commas allowed;
    AIME: an integer, so ``"025"`` is 25);
-2. the answer is extracted from the completion (``eval.answers``: last ``\\boxed{}``, else
+2. the answer is extracted from the completion (``a3po.grading.answers``: last ``\\boxed{}``, else
    ``#### N``, else "the answer is X", else the last number);
 3. **fast path**: when both are plain numbers they compare exactly, in-process, in a few
    microseconds (the trainer scores hundreds of samples a second, almost all plain numbers);
-4. otherwise math-verify decides, in a killable worker process (``eval.verifier``), bounded by
+4. otherwise math-verify decides, in a killable worker process (``a3po.grading.verifier``), bounded by
    ``GradingConfig.timeout_s`` from any thread or process; a timeout scores 0 and is counted.
    ``arith`` never takes this path: its answers are integers, and anything else scores 0.
 
@@ -38,8 +38,8 @@ from functools import lru_cache
 from typing import Callable, Iterator, Literal
 
 from a3po.registry import Registry
-from eval.answers import extract_answer, hash_answer, plain_number
-from eval.verifier import GraderUnavailable  # noqa: F401 - callers catch it from here
+from a3po.grading.answers import extract_answer, hash_answer, plain_number
+from a3po.grading.verifier import GraderUnavailable  # noqa: F401 - callers catch it from here
 
 Method = Literal["boxed", "hash", "answer_is", "last_number", "none"]
 GradePath = Literal["fast", "math_verify", "skipped"]
@@ -72,7 +72,7 @@ class GradingConfig:
 class GradeResult:
     score: float  # 1.0 correct, 0.0 otherwise
     extracted: str | None  # the answer found in the completion (None: no answer)
-    method: Method  # how it was found (see eval.answers)
+    method: Method  # how it was found (see a3po.grading.answers)
     path: GradePath  # fast = exact plain-number compare; math_verify = worker; skipped = no comparison
     gold: str  # the normalised gold it was compared with
     timed_out: bool = False
@@ -122,7 +122,7 @@ TASKS.register("aime24")(TaskSpec(normalise_gold=_integer_gold, symbolic=True, i
 # ---------------------------------------------------------------- process-wide state
 
 _config = GradingConfig()
-_verifier = None  # eval.verifier.Verifier, created on the first symbolic comparison
+_verifier = None  # a3po.grading.verifier.Verifier, created on the first symbolic comparison
 _state_lock = threading.Lock()
 _COUNTERS = ("calls", "fast", "math_verify", "timeouts", "errors", "no_answer", "too_long")
 _counts = dict.fromkeys(_COUNTERS, 0)
@@ -189,7 +189,7 @@ def _get_verifier():
     if _verifier is None:
         with _state_lock:
             if _verifier is None:
-                from eval.verifier import Verifier
+                from a3po.grading.verifier import Verifier
 
                 _verifier = Verifier(memory_limit_mb=_config.memory_limit_mb, python=_config.worker_python)
     elif (_verifier.memory_limit_mb, _verifier.python) != (_config.memory_limit_mb, _config.worker_python or sys.executable):

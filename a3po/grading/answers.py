@@ -2,7 +2,7 @@
 
 Pure string functions, linear in the completion length, so the reward stays cheap and a
 100,000-character completion cannot stall the trainer. Extraction only *locates* an answer;
-deciding whether two answers are equal is math-verify's job (``eval.grading``), except for
+deciding whether two answers are equal is math-verify's job (``a3po.grading``), except for
 plain numbers, which compare exactly here without any LaTeX parsing.
 
 The answer is, in order of precedence (``extract_answer``):

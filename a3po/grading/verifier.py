@@ -1,4 +1,4 @@
-"""Caller side of the math-verify worker (``eval.verify_worker``): a bounded ``check(gold, pred)``.
+"""Caller side of the math-verify worker (``a3po.grading.verify_worker``): a bounded ``check(gold, pred)``.
 
 Works from any thread and from inside worker processes (daemonic ones included: the worker is
 a ``subprocess``, not a ``multiprocessing`` child). One supervisor process per caller process,
@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.verify_worker import read_frame, write_frame
+from a3po.grading.verify_worker import read_frame, write_frame
 
 _WORKER_SCRIPT = Path(__file__).with_name("verify_worker.py")
 # Run the worker by path with sys.path[0] removed, so neither the caller's cwd nor this folder
