@@ -32,7 +32,7 @@ def test_logger_batches_and_backfills(store):
     client, exp, _, _ = store
     run_id = create_run(client, exp, "r", {"a3po.role": "child"})
     logger = MlflowMetricLogger(client, run_id, flush_every_s=3600)
-    history = [{"reward/mean": 0.1 * s, "policy/iw_max": 1.0 + s} for s in range(1, 21)]
+    history = [{"reward/mean": 0.1 * s, "stability/trust_ratio_max": 1.0 + s} for s in range(1, 21)]
     for step in (1, 2, 3):  # a run that logs live only from step 1 to 3 ...
         logger.log_metrics(history[step - 1], step)
     assert logger.n_calls == 0  # buffered: no round trip per step
