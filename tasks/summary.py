@@ -262,7 +262,8 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
     b2.set(xlabel="step", ylabel="trust-region ratio  pi_theta / pi_prox", yscale="log", title="trust-region ratio (step max, p99)")
     b3.set(xlabel="step", ylabel="fraction of tokens", title="clipped tokens (trust region active)")
     b4.set(xlabel="step", ylabel="fraction of tokens", title="behaviour IW above the cap (dropped)")
-    for ax in (b1, b2):  # plain numbers on the log axes (not 1.002 x 10^0)
+    for ax in (b1, b2):  # plain numbers at 1, 2, 5, 10, ... on the log axes (not 1.002 x 10^0)
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     for ax in (b1, b2, b3):
