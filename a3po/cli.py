@@ -145,6 +145,12 @@ def _nightly(argv: list[str]) -> int:
     return nightly_main(argv, prog="a3po nightly")
 
 
+def _claims(argv: list[str]) -> int:
+    from flows.paper_claims import main as claims_main
+
+    return claims_main(argv, prog="a3po claims")
+
+
 def _bench(argv: list[str]) -> int:
     import bench  # the package only: its modules are found by name, and imported when run
 
@@ -168,6 +174,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("evaluate a checkpoint on GSM8K / MATH500 / AIME24", _eval),
     "compare": Command("compare the variants end to end (Prefect flow, tracked in MLflow)", _compare),
     "nightly": Command("nightly convergence parity of loglinear vs recompute and sync (exit 1 on fail)", _nightly),
+    "claims": Command("the A-3PO paper's claims on this testbed: paper figure, ours, verdict (Prefect flow)", _claims),
     "bench": Command("run a benchmark of bench/ by name (a3po bench --help lists them)", _bench),
     "serve": Command("team-mode servers: MLflow on PostgreSQL and the Prefect server (infra/)", _serve),
 }

@@ -10,14 +10,7 @@ from __future__ import annotations
 import torch
 
 from a3po.checks import require_finite, require_same_shape
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def _quantile(x: torch.Tensor, q: float) -> float:
-    return torch.quantile(x.float(), q).item() if x.numel() else 0.0
+from a3po.stability import TokenStats, stability_metrics
 
 
 def decoupled_ppo_loss(
@@ -30,7 +23,8 @@ def decoupled_ppo_loss(
     eps_clip_high: float | None = None,
     behav_weight_cap: float | None = None,
     n_tokens: torch.Tensor | int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    return_tokens: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], TokenStats]:
     """Decoupled PPO clipped loss (Hilton et al., 2022, eq. 4; AReaL, Fu et al., 2025, eq. 5).
 
     Per token::
@@ -48,6 +42,9 @@ def decoupled_ppo_loss(
     ``n_tokens`` replaces ``mask.sum()`` as the denominator of the loss (not of the metrics):
     a data-parallel rank passes the whole minibatch's token count, so the ranks' losses add up
     to the token mean of the minibatch.
+    Metrics: ``loss/policy`` and the stability statistics of this call's tokens
+    (``a3po.stability``); ``return_tokens`` also returns the per-token values
+    (:class:`~a3po.stability.TokenStats`), from which a trainer computes a whole step's statistics.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -79,23 +76,16 @@ def decoupled_ppo_loss(
     loss = per_token.sum() / denom.clamp(min=1)
 
     with torch.no_grad():
-        r = ratio[mask]
-        bw = behav_w[mask]
-        is_clipped = (clipped > unclipped) & mask
-        metrics = {
-            "loss/policy": loss.item(),
-            "policy/iw_mean": r.mean().item() if r.numel() else 0.0,
-            "policy/iw_max": r.max().item() if r.numel() else 0.0,
-            "policy/iw_p99": _quantile(r, 0.99),
-            "policy/behav_w_mean": bw.mean().item() if bw.numel() else 0.0,
-            "policy/behav_w_max": bw.max().item() if bw.numel() else 0.0,
-            "policy/behav_w_p99": _quantile(bw, 0.99),
-            "policy/clip_frac": _masked_mean(is_clipped.float(), fmask).item(),
-            "policy/behav_cap_frac": _masked_mean((mask & ~keep).float(), fmask).item(),
-            # k3 estimator of KL(prox || theta) (Schulman, "Approximating KL divergence").
-            "policy/approx_kl": _masked_mean((ratio - 1) - (logp_m - prox_m), fmask).item(),
-        }
-    return loss, metrics
+        r, w = ratio[mask].detach(), behav_w[mask]
+        tokens = TokenStats(
+            behav_iw=w,
+            trust_ratio=r,
+            capped=~keep[mask],
+            clipped=(clipped > unclipped)[mask],
+            kl_terms=w * ((r - 1) - (logp_m - prox_m)[mask].detach()),
+        )
+        metrics = {"loss/policy": loss.item(), **stability_metrics(tokens)}
+    return (loss, metrics, tokens) if return_tokens else (loss, metrics)
 
 
 def ppo_clip_loss(

@@ -28,11 +28,21 @@ from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.stability import TokenStats, stability_metrics
 
 
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     v = x[mask.bool()].float()
     return (v.mean().item(), v.max().item()) if v.numel() else (0.0, 0.0)
+
+
+def combine_minibatch_metrics(per_minibatch: list[dict[str, float]], tokens: list[TokenStats]) -> dict[str, float]:
+    """A step's metrics from its minibatches': the stability statistics (``a3po.stability``) over
+    all the step's tokens together (a quantile of the step, not a mean of minibatch quantiles);
+    every other metric the mean over minibatches (the maximum for ``*_max``)."""
+    metrics = {k: (max if k.endswith("_max") else (lambda v: sum(v) / len(v)))([m[k] for m in per_minibatch]) for k in per_minibatch[0]}
+    metrics.update(stability_metrics(TokenStats.cat(tokens)))
+    return metrics
 
 
 def train_step(
@@ -78,6 +88,7 @@ def train_step(
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + version)).to(device)
     policy.train()
     step_metrics: list[dict[str, float]] = []
+    step_tokens: list[TokenStats] = []
     entropy_sum, entropy_n = 0.0, 0
     for mb in perm.chunk(cfg.minibatches):
         rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
@@ -97,9 +108,9 @@ def train_step(
         prox_time += time.perf_counter() - t0
         # Token mean over the whole minibatch, whatever the number of ranks sharing it.
         n_tokens = ranks.sum(resp[rows].sum())
-        loss, loss_metrics = decoupled_ppo_loss(
+        loss, loss_metrics, tokens = decoupled_ppo_loss(
             logp, prox, batch.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
-            n_tokens=n_tokens,
+            n_tokens=n_tokens, return_tokens=True,
         )
         grad_norm = updater.update(loss)
         if ranks.world_size > 1:
@@ -108,17 +119,19 @@ def train_step(
             prox, prox_metrics = method(
                 ProxInputs(batch.behav_logp[mb], logp, staleness[mb], resp[mb], recompute_logp=lambda mb=mb: exact_prox[mb])
             )
-            _, loss_metrics = decoupled_ppo_loss(
-                logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap
+            _, loss_metrics, tokens = decoupled_ppo_loss(
+                logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
+                return_tokens=True,
             )
         step_metrics.append({**loss_metrics, **prox_metrics, "policy/grad_norm": grad_norm})
+        step_tokens.append(tokens)
         entropy_sum += ent[resp[mb]].sum().item()
         entropy_n += int(resp[mb].sum())
     policy.eval()
 
-    # 5. Metrics: mean over minibatches (max for maxima), plus rollout-level figures.
+    # 5. Metrics: the minibatches' combined (stability over all the step's tokens), plus rollout-level figures.
     step_time = time.perf_counter() - t_start
-    metrics = {k: (max if k.endswith("_max") else (lambda v: sum(v) / len(v)))([m[k] for m in step_metrics]) for k in step_metrics[0]}
+    metrics = combine_minibatch_metrics(step_metrics, step_tokens)
     st_mean, st_max = _masked_stats(staleness, resp)
     n_tokens = int(resp.sum())
     metrics.update(

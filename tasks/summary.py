@@ -16,6 +16,13 @@ Definitions (also in docs/pipeline.md):
 - **speedup of A vs B**: ``T_B / T_A`` for time to target, and ``mean step time_B / mean step
   time_A`` for ``perf/step_time_s`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
   final held-out accuracy.
+- **stability columns** (per-step metrics of ``a3po.stability``, each over the step's tokens):
+  "behaviour IW max" = the largest ``stability/behav_iw_max`` (``pi_prox / pi_behav``, the
+  off-policy importance weight A-3PO's stability claim is about) over steps and seeds;
+  "behaviour IW p99" = the mean over steps of the step's 99th percentile of it (mean over seeds);
+  "trust-region ratio max" = the largest ``stability/trust_ratio_max`` (``pi_theta / pi_prox``,
+  what the clip bounds); "clipped tokens" = the mean over steps of the step's fraction of tokens
+  whose clipped term is active (mean over seeds). ``row["per_seed"]`` keeps each seed's figures.
 """
 
 from __future__ import annotations
@@ -74,6 +81,39 @@ def _mean(xs: Sequence[float | None]) -> float | None:
     return sum(xs) / len(xs)
 
 
+# Per-run stability figures from the step metrics (a3po.stability): key -> (step metric, how the
+# steps are combined). Maxima are the run's maximum; the p99 and the clipped fraction are the mean
+# over steps of the step's figure (each step's is over its own tokens).
+STABILITY_FIGURES = {
+    "behav_iw_max": ("stability/behav_iw_max", max),
+    "behav_iw_p99": ("stability/behav_iw_p99", lambda v: sum(v) / len(v)),
+    "trust_ratio_max": ("stability/trust_ratio_max", max),
+    "clipped_frac": ("stability/trust_ratio_clipped_frac", lambda v: sum(v) / len(v)),
+}
+
+
+def run_figures(history: Sequence[dict[str, float]], target: float | None, smooth_frac: float = SMOOTH_FRAC) -> dict[str, float | None]:
+    """One run's figures: final reward, time to ``target`` (None: not reached, or no target),
+    mean step time, mean proximal log-prob time per step (``prox/time_s``), stability figures
+    (:data:`STABILITY_FIGURES`; None when the history lacks the metric)."""
+    n = len(history)
+    figs: dict[str, float | None] = {
+        "final_reward": final_reward(history, smooth_frac),
+        "time_to_target_s": time_to_target(history, target, smooth_frac) if target is not None else None,
+        "mean_step_time_s": sum(x["perf/step_time_s"] for x in history) / n,
+        "prox_time_s": sum(x.get("prox/time_s", 0.0) for x in history) / n,
+    }
+    for key, (metric, combine) in STABILITY_FIGURES.items():
+        values = [x[metric] for x in history if metric in x]
+        figs[key] = combine(values) if values else None
+    return figs
+
+
+def _max(xs: Sequence[float | None]) -> float | None:
+    xs = list(xs)
+    return None if not xs or any(x is None for x in xs) else max(xs)
+
+
 @dataclass
 class Comparison:
     rows: list[dict[str, Any]]  # one per variant (means over seeds)
@@ -99,9 +139,8 @@ def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_F
     rows, metrics = [], {}
     for v, rs in by_v.items():
         hist = [r["history"] for r in rs]
-        ttt = _mean([time_to_target(h, target, smooth_frac) for h in hist]) if target is not None else None
-        step_t = _mean([sum(x["perf/step_time_s"] for x in h) / len(h) for h in hist if h])
-        wall = _mean([h[-1]["time/train_wall_s"] for h in hist if h])
+        per_seed = [{"seed": r["seed"], **run_figures(r["history"], target, smooth_frac)} for r in rs if r["history"]]
+        ttt = _mean([f["time_to_target_s"] for f in per_seed]) if target is not None else None
         row = {
             "variant": v,
             "seeds": len(rs),
@@ -109,11 +148,12 @@ def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_F
             "final_acc": _mean([r["final_acc"] for r in rs]),
             "final_reward": finals[v],
             "time_to_target_s": ttt,
-            "mean_step_time_s": step_t,
-            "train_wall_s": wall,
-            "iw_max": max((x.get("policy/iw_max", 0.0) for h in hist for x in h), default=0.0),
-            "clip_frac_mean": _mean([sum(x.get("policy/clip_frac", 0.0) for x in h) / len(h) for h in hist if h]),
+            "mean_step_time_s": _mean([f["mean_step_time_s"] for f in per_seed]),
+            "train_wall_s": _mean([h[-1]["time/train_wall_s"] for h in hist if h]),
+            **{k: (_max if k.endswith("_max") else _mean)([f[k] for f in per_seed]) for k in STABILITY_FIGURES},
+            "prox_time_s": _mean([f["prox_time_s"] for f in per_seed]),
             "staleness_mean": _mean([sum(x.get("staleness/mean", 0.0) for x in h) / len(h) for h in hist if h]),
+            "per_seed": per_seed,
         }
         for r in rs:  # benchmark pass@1 etc., mean over seeds
             for k, val in r.get("evaluation", {}).get("metrics", {}).items():
@@ -122,7 +162,7 @@ def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_F
         for k in [k for k in row if k.startswith("eval/final/")]:
             row[k] = _mean(row[k])
         rows.append(row)
-        for key in ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s"):
+        for key in ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", *STABILITY_FIGURES):
             if row[key] is not None:
                 metrics[f"summary/{v}/{key}"] = row[key]
 
@@ -151,7 +191,8 @@ COLUMNS = [
     ("final_reward", "final reward"), ("time_to_target_s", "time to target (s)"), ("mean_step_time_s", "mean step (s)"),
     ("train_wall_s", "train wall (s)"), ("speedup_ttt_vs_sync", "speedup vs sync (target)"),
     ("speedup_ttt_vs_recompute", "speedup vs recompute (target)"), ("speedup_step_vs_sync", "step speedup vs sync"),
-    ("speedup_step_vs_recompute", "step speedup vs recompute"), ("iw_max", "IW max"), ("clip_frac_mean", "clip frac"),
+    ("speedup_step_vs_recompute", "step speedup vs recompute"), ("behav_iw_max", "behaviour IW max"),
+    ("behav_iw_p99", "behaviour IW p99"), ("trust_ratio_max", "trust-region ratio max"), ("clipped_frac", "clipped tokens"),
 ]
 
 
@@ -179,16 +220,18 @@ def to_markdown(df) -> str:
 
 def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smooth_frac: float = SMOOTH_FRAC) -> list[Path]:
     """reward_curves.png: smoothed reward against step and against trainer wall clock, every
-    variant on one figure (seeds as thin lines); stability.png: importance-weight max and
-    clipped-token fraction against step."""
+    variant on one figure; stability.png against step: behaviour importance weight
+    (``pi_prox / pi_behav``) and trust-region ratio (``pi_theta / pi_prox``), step max and p99 on
+    log scales, the clipped-token fraction and the fraction of tokens over the behaviour-weight cap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     colors = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(r["variant"] for r in records))}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    fig2, (b1, b2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig2, ((b1, b2), (b3, b4)) = plt.subplots(2, 2, figsize=(12, 8))
     seen = set()
     for r in records:
         h = r["history"]
@@ -201,8 +244,12 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         seen.add(v)
         a1.plot(steps, sm, color=colors[v], label=label)
         a2.plot([x["time/train_wall_s"] for x in h], sm, color=colors[v], label=label)
-        b1.plot(steps, [x.get("policy/iw_max", float("nan")) for x in h], color=colors[v], label=label)
-        b2.plot(steps, [x.get("policy/clip_frac", float("nan")) for x in h], color=colors[v], label=label)
+        series = lambda key: [x.get(key, float("nan")) for x in h]
+        for ax, name in ((b1, "behav_iw"), (b2, "trust_ratio")):
+            ax.plot(steps, series(f"stability/{name}_max"), color=colors[v], label=f"{v} max" if label else None)
+            ax.plot(steps, series(f"stability/{name}_p99"), color=colors[v], ls=":", label=f"{v} p99" if label else None)
+        b3.plot(steps, series("stability/trust_ratio_clipped_frac"), color=colors[v], label=label)
+        b4.plot(steps, series("stability/behav_iw_capped_frac"), color=colors[v], label=label)
     for ax in (a1, a2):
         if comp.target is not None:
             ax.axhline(comp.target, color="grey", ls="--", lw=0.8, label="target")
@@ -211,10 +258,17 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
     a1.set_xlabel("step")
     a2.set_xlabel("trainer wall clock (s)")
     fig.suptitle("Training reward by variant")
-    b1.set(xlabel="step", ylabel="importance weight max", yscale="log")
-    b2.set(xlabel="step", ylabel="clipped-token fraction")
-    b1.legend()
-    fig2.suptitle("Trust-region statistics")
+    b1.set(xlabel="step", ylabel="behaviour IW  pi_prox / pi_behav", yscale="log", title="off-policy importance weight (step max, p99)")
+    b2.set(xlabel="step", ylabel="trust-region ratio  pi_theta / pi_prox", yscale="log", title="trust-region ratio (step max, p99)")
+    b3.set(xlabel="step", ylabel="fraction of tokens", title="clipped tokens (trust region active)")
+    b4.set(xlabel="step", ylabel="fraction of tokens", title="behaviour IW above the cap (dropped)")
+    for ax in (b1, b2):  # plain numbers at 1, 2, 5, 10, ... on the log axes (not 1.002 x 10^0)
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for ax in (b1, b2, b3):
+        ax.legend(fontsize="small")
+    fig2.suptitle("Stability: importance weights and trust region")
     paths = [out_dir / "reward_curves.png", out_dir / "stability.png"]
     for f, p in zip((fig, fig2), paths):
         f.tight_layout()
@@ -236,7 +290,9 @@ def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: floa
     target = f"{comp.target:.3f}" if comp.target is not None else "undefined"
     (out / "comparison.md").write_text(
         md + f"\n\nTarget reward {target} (first-step reward + {target_fraction:.0%} of the best improvement); "
-        f"final reward = mean over the last {smooth_frac:.0%} of steps.\n" + "".join(f"\nNote: {n}" for n in comp.notes)
+        f"final reward = mean over the last {smooth_frac:.0%} of steps. Behaviour IW = pi_prox / pi_behav (max over steps; "
+        f"p99: mean over steps of the step's 99th percentile); trust-region ratio = pi_theta / pi_prox (max over steps); "
+        f"clipped tokens = mean over steps of the step's fraction of tokens whose clipped term is active.\n" + "".join(f"\nNote: {n}" for n in comp.notes)
     )
     df.to_csv(out / "comparison.csv", index=False)
     plots = plot(full, comp, out, smooth_frac)

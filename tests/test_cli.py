@@ -23,7 +23,7 @@ import bench
 from a3po.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = ["train", "eval", "compare", "nightly", "bench", "serve"]
+SUBCOMMANDS = ["train", "eval", "compare", "nightly", "claims", "bench", "serve"]
 
 
 def _a3po(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -48,7 +48,7 @@ def test_unknown_or_missing_subcommand_exits_2(capsys):
     assert main([]) == 2
 
 
-@pytest.mark.parametrize("command", ["compare", "nightly"])
+@pytest.mark.parametrize("command", ["compare", "nightly", "claims"])
 def test_flow_subcommands_take_the_flows_own_options(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])

@@ -230,7 +230,7 @@ def test_sync_variant_has_zero_staleness_everywhere(core_stub_rewards):
     assert [h["staleness/max"] for h in res.history] == [0.0] * 4
     assert [h["staleness/mean"] for h in res.history] == [0.0] * 4
     # on-policy: behaviour weight pi_prox/pi_behav is exactly 1 (prox = behav)
-    assert all(h["policy/behav_w_mean"] == 1.0 for h in res.history)
+    assert all(h["stability/behav_iw_mean"] == 1.0 for h in res.history)
 
 
 class _Crash(Exception):

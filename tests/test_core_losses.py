@@ -61,8 +61,8 @@ def test_hand_computed_value_and_gradient_with_clipping_cap_and_mask():
     assert loss == pytest.approx(-0.225, abs=1e-12)
     expected = [-1.1 / 6, 0.0, 0.0, 2.25 / 6, -0.5 / 6, 0.0, 0.0]
     assert grad == pytest.approx(expected, abs=1e-12)
-    assert metrics["policy/clip_frac"] == pytest.approx(2 / 6)  # tokens 1 and 2
-    assert metrics["policy/behav_cap_frac"] == pytest.approx(1 / 6)  # token 5
+    assert metrics["stability/trust_ratio_clipped_frac"] == pytest.approx(2 / 6)  # tokens 1 and 2
+    assert metrics["stability/behav_iw_capped_frac"] == pytest.approx(1 / 6)  # token 5
     assert metrics["loss/policy"] == pytest.approx(-0.225, abs=1e-12)
 
 

@@ -200,7 +200,7 @@ def test_loglinear_d0_decoupled_equals_ppo_clip_on_policy(seed, eps_high):
         (g_dec,) = torch.autograd.grad(l_dec, logp)
         assert l_dec.item() == l_ppo.item()
         assert torch.equal(g_dec, g_ppo)
-        assert m_dec["policy/clip_frac"] == m_ppo["policy/clip_frac"] == 0.0
+        assert m_dec["stability/trust_ratio_clipped_frac"] == m_ppo["stability/trust_ratio_clipped_frac"] == 0.0
 
 
 def test_loglinear_d0_equals_ppo_within_rollout_noise():

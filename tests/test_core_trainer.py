@@ -122,7 +122,7 @@ def test_single_minibatch_fresh_batch_every_variant_is_sync_ppo(setup, variant):
     m_var, _, w_var = _run_step(model, init, scored, _cfg(variant, minibatches=1), version=0, sgd_lr=1.0)
     assert m_var["loss/policy"] == pytest.approx(m_sync["loss/policy"], rel=1e-4, abs=1e-7)
     assert m_var["policy/grad_norm"] == pytest.approx(m_sync["policy/grad_norm"], rel=1e-4)
-    assert m_var["policy/clip_frac"] == m_sync["policy/clip_frac"] == 0.0
+    assert m_var["stability/trust_ratio_clipped_frac"] == m_sync["stability/trust_ratio_clipped_frac"] == 0.0
     assert m_var["staleness/max"] == 0.0
     scale = max(float((w_sync[k] - init[k]).abs().max()) for k in init)
     assert scale > 1e-4  # the step did something
@@ -134,7 +134,7 @@ def test_step_changes_the_weights_and_reports_documented_metrics(setup):
     model, scored, init = setup
     metrics, _, w = _run_step(model, init, scored, _cfg(Variant.LOGLINEAR), version=1)
     assert any(not torch.equal(w[k], init[k]) for k in init)
-    for key in ["loss/policy", "policy/iw_mean", "policy/clip_frac", "policy/grad_norm", "policy/entropy",
+    for key in ["loss/policy", "stability/trust_ratio_mean", "stability/trust_ratio_clipped_frac", "policy/grad_norm", "policy/entropy",
                 "staleness/mean", "staleness/max", "prox/time_s", "perf/step_time_s", "reward/mean"]:
         assert key in metrics
     assert metrics["staleness/max"] == 1.0
@@ -155,8 +155,8 @@ def test_recompute_on_fresh_batch_equals_sync_over_several_minibatches(setup):
     model, scored, init = setup
     m_sync, _, w_sync = _run_step(model, init, scored, _cfg(Variant.SYNC, minibatches=4, lr=3e-2), version=0)
     m_rc, _, w_rc = _run_step(model, init, scored, _cfg(Variant.RECOMPUTE, minibatches=4, lr=3e-2), version=0)
-    assert m_sync["policy/clip_frac"] > 0  # the trust region is exercised
-    assert m_rc["policy/clip_frac"] == m_sync["policy/clip_frac"]
+    assert m_sync["stability/trust_ratio_clipped_frac"] > 0  # the trust region is exercised
+    assert m_rc["stability/trust_ratio_clipped_frac"] == m_sync["stability/trust_ratio_clipped_frac"]
     for k in init:
         # AdamW moves ~lr per step; rounding-level gradient differences leave ~1e-6.
         torch.testing.assert_close(w_rc[k], w_sync[k], rtol=0, atol=1e-4)
@@ -168,7 +168,7 @@ def test_loglinear_on_fresh_batch_equals_recompute_over_several_minibatches(setu
     model, scored, init = setup
     m_rc, _, w_rc = _run_step(model, init, scored, _cfg(Variant.RECOMPUTE, minibatches=4, lr=3e-2), version=0)
     m_ll, _, w_ll = _run_step(model, init, scored, _cfg(Variant.LOGLINEAR, minibatches=4, lr=3e-2), version=0)
-    assert m_ll["policy/clip_frac"] == m_rc["policy/clip_frac"]
+    assert m_ll["stability/trust_ratio_clipped_frac"] == m_rc["stability/trust_ratio_clipped_frac"]
     for k in init:
         torch.testing.assert_close(w_ll[k], w_rc[k], rtol=0, atol=1e-4)
 
@@ -270,10 +270,10 @@ def test_loglinear_train_step_matches_the_hand_derived_loss_and_gradient():
     assert metrics["loss/policy"] == pytest.approx(expected_loss, rel=1e-5)
     assert policy.w.item() == pytest.approx(-expected_grad, rel=1e-5)
     assert metrics["policy/grad_norm"] == pytest.approx(abs(expected_grad), rel=1e-5)
-    assert metrics["policy/behav_cap_frac"] == pytest.approx(1 / 7)  # the d = 4, w = 8 token
-    assert metrics["policy/clip_frac"] == pytest.approx(3 / 7)  # the r = 1.5, 1.5, 0.75 tokens
-    assert metrics["policy/iw_max"] == pytest.approx(2.0, rel=1e-5)
-    assert metrics["policy/behav_w_max"] == pytest.approx(8.0, rel=1e-5)
+    assert metrics["stability/behav_iw_capped_frac"] == pytest.approx(1 / 7)  # the d = 4, w = 8 token
+    assert metrics["stability/trust_ratio_clipped_frac"] == pytest.approx(3 / 7)  # the r = 1.5, 1.5, 0.75 tokens
+    assert metrics["stability/trust_ratio_max"] == pytest.approx(2.0, rel=1e-5)
+    assert metrics["stability/behav_iw_max"] == pytest.approx(8.0, rel=1e-5)
     assert metrics["staleness/mean"] == pytest.approx((2 + 2 + 0 + 1 + 4 + 4 + 1) / 7)
     assert metrics["staleness/max"] == 4.0
     assert metrics["policy/entropy"] == pytest.approx(math.log(2), rel=1e-6)  # two equally likely tokens
@@ -299,6 +299,28 @@ def test_d0_tokens_keep_the_trust_region_across_minibatches_in_train_step(varian
     cfg = RLConfig(variant=variant, batch_prompts=1, group_size=2, minibatches=2, temperature=1.0, advantage="dr_grpo")
     metrics = train_step(policy, opt, scored, 3, cfg, PROXIMAL_METHODS.get(proximal_method_name(cfg)))
     assert policy.w.item() == pytest.approx(math.log(3), rel=1e-6)
-    assert metrics["policy/clip_frac"] == 0.5
+    assert metrics["stability/trust_ratio_clipped_frac"] == 0.5
     # loss/policy is the mean over minibatches: (-1 + 0.8) / 2 or (+1 - 1.2) / 2, both -0.1.
     assert metrics["loss/policy"] == pytest.approx(-0.1, rel=1e-5)
+
+
+def test_train_step_stability_statistics_are_over_the_steps_tokens():
+    # recompute: pi_prox is the step-start policy (1/2 for every token at w = 0) whatever order the
+    # minibatches run in, so the behaviour weights pi_prox / pi_behav are fixed by the batch:
+    #   row 0 (its own minibatch): 5 tokens, w = [1, 1, 1, 1, 9];  row 1: 2 tokens, w = [1, 1].
+    # Over the step's 7 tokens (type-7 quantile, tests/test_core_stability.py): p99 = 1 + 0.94 * 8
+    # = 8.52, mean 15/7, max 9, capped (cap 5) 1/7. Per minibatch the p99s are 8.68 and 1: their
+    # mean 4.84 is what averaging minibatch figures would report.
+    half = math.log(0.5)
+    ws = [[1, 1, 1, 1, 9], [1, 1]]
+    scored = _scored(tokens=[[0] * 5, [1] * 2], behav=[[half - math.log(w) for w in row] for row in ws],
+                     d=[[1] * 5, [1] * 2], version=3, rewards=[2.0, 0.0], pad_to=5)
+    cfg = RLConfig(variant=Variant.RECOMPUTE, batch_prompts=1, group_size=2, minibatches=2, temperature=1.0,
+                   advantage="dr_grpo", behav_weight_cap=5.0)
+    policy = _TwoTokenPolicy()
+    metrics = train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.1), scored, 3, cfg, PROXIMAL_METHODS.get("recompute"))
+    # fp32 log-probs: ~1e-6 relative.
+    assert metrics["stability/behav_iw_p99"] == pytest.approx(8.52, rel=1e-5)
+    assert metrics["stability/behav_iw_mean"] == pytest.approx(15 / 7, rel=1e-5)
+    assert metrics["stability/behav_iw_max"] == pytest.approx(9.0, rel=1e-5)
+    assert metrics["stability/behav_iw_capped_frac"] == pytest.approx(1 / 7)

@@ -71,7 +71,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     for _, child in children.iterrows():
         steps = [m.step for m in client.get_metric_history(child["run_id"], "reward/mean")]
         assert steps == list(range(1, 7))  # every training step
-        for key in ("policy/iw_max", "policy/clip_frac", "staleness/mean", "perf/step_time_s", "perf/tokens_per_s", "time/train_wall_s"):
+        for key in ("stability/trust_ratio_max", "stability/trust_ratio_clipped_frac", "staleness/mean", "perf/step_time_s", "perf/tokens_per_s", "time/train_wall_s"):
             assert len(client.get_metric_history(child["run_id"], key)) == 6, key
         acc = [(m.step, m.value) for m in client.get_metric_history(child["run_id"], "eval/heldout_acc")]
         assert [s for s, _ in acc] == [0, 2, 4, 6]  # warm start, then every eval_every=2 steps

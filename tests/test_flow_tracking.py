@@ -14,7 +14,7 @@ import pytest
 from flows.compare_variants import parse_sets
 from tasks.evaluation import available_benchmarks
 from tasks.parity import decide, paired_bootstrap_ci
-from tasks.summary import compare, smooth, time_to_target, window
+from tasks.summary import compare, smooth, table, time_to_target, window
 from tasks.tracking import MlflowMetricLogger, client_for, create_run, ensure_experiment, flatten
 
 
@@ -32,7 +32,7 @@ def test_logger_batches_and_backfills(store):
     client, exp, _, _ = store
     run_id = create_run(client, exp, "r", {"a3po.role": "child"})
     logger = MlflowMetricLogger(client, run_id, flush_every_s=3600)
-    history = [{"reward/mean": 0.1 * s, "policy/iw_max": 1.0 + s} for s in range(1, 21)]
+    history = [{"reward/mean": 0.1 * s, "stability/trust_ratio_max": 1.0 + s} for s in range(1, 21)]
     for step in (1, 2, 3):  # a run that logs live only from step 1 to 3 ...
         logger.log_metrics(history[step - 1], step)
     assert logger.n_calls == 0  # buffered: no round trip per step
@@ -93,6 +93,36 @@ def test_comparison_without_learning_reports_no_target():
     comp = compare([{"variant": v, "seed": 0, "history": flat, "final_acc": 0.0, "warmstart_acc": 0.0} for v in ("sync", "loglinear")])
     assert comp.target is None and comp.notes
     assert not any(k.endswith("time_to_target") for k in comp.metrics)
+
+
+def _stab(behav_max, behav_p99, trust_max, clipped):
+    return {"stability/behav_iw_max": behav_max, "stability/behav_iw_p99": behav_p99, "stability/trust_ratio_max": trust_max,
+            "stability/trust_ratio_clipped_frac": clipped}
+
+
+def test_comparison_stability_columns():
+    # Two steps per run, two seeds of "loglinear", one of "recompute" (numbers chosen by hand):
+    #   behaviour IW max = max over steps and seeds; p99 and clipped = mean over steps, then over seeds.
+    def rec(variant, seed, steps):
+        h = _hist([0.0, 0.1], 1.0)
+        return {"variant": variant, "seed": seed, "history": [{**x, **_stab(*st)} for x, st in zip(h, steps)], "final_acc": 0.0, "warmstart_acc": 0.0}
+
+    recs = [
+        rec("loglinear", 0, [(2.0, 1.5, 3.0, 0.01), (4.0, 2.5, 1.0, 0.03)]),  # p99 mean 2.0, clipped mean 0.02
+        rec("loglinear", 1, [(6.0, 1.0, 2.0, 0.00), (1.0, 1.0, 2.0, 0.00)]),  # p99 mean 1.0, clipped mean 0.0
+        rec("recompute", 0, [(9.0, 3.0, 1.5, 0.10), (8.0, 5.0, 1.2, 0.20)]),
+    ]
+    comp = compare(recs)
+    ll, rc = comp.rows
+    assert (ll["behav_iw_max"], ll["behav_iw_p99"], ll["trust_ratio_max"], ll["clipped_frac"]) == pytest.approx((6.0, 1.5, 3.0, 0.01))
+    assert (rc["behav_iw_max"], rc["behav_iw_p99"], rc["trust_ratio_max"], rc["clipped_frac"]) == pytest.approx((9.0, 4.0, 1.5, 0.15))
+    assert [f["behav_iw_max"] for f in ll["per_seed"]] == [4.0, 6.0] and [f["seed"] for f in ll["per_seed"]] == [0, 1]
+    assert comp.metrics["summary/recompute/behav_iw_max"] == 9.0
+    df = table(comp)
+    for col in ("behaviour IW max", "behaviour IW p99", "trust-region ratio max", "clipped tokens"):
+        assert col in df.columns
+    assert "IW max" not in df.columns  # the old, mislabelled trust-ratio column is gone
+    assert df["behaviour IW max"].tolist() == [6.0, 9.0]
 
 
 def test_bootstrap_ci_brackets_the_mean_and_is_reproducible():
