@@ -196,12 +196,58 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class OppoConfig:
+    """OPPO's two overlaps (docs/oppo.md), each on or off whatever the variant. Off (the
+    default) the run computes exactly what it did without OPPO."""
+
+    intra: bool = False
+    """Intra-step overlap: reference / critic / reward models score each chunk of generated
+    tokens while the actor decodes the next (:mod:`a3po.streaming`). Needs those models: the
+    PPO path; the GRPO path has none to overlap."""
+    inter: bool = False
+    """Inter-step overlap: admit ``batch_prompts + Delta`` groups, train on the first
+    ``batch_prompts`` that complete, carry the others over (:mod:`a3po.overcommit`)."""
+    chunk_min: int = 1
+    """Smallest streamed chunk (tokens); the tuner tries powers of two up to ``chunk_max``."""
+    chunk_max: int = 16
+    chunk_probe_every: int = 20
+    """Steps between two probes of the chunk candidates (also re-probed on a length shift)."""
+    delta_init: int = 2
+    """Extra groups admitted per step at the start (Delta)."""
+    delta_min: int = 0
+    delta_max: int = 8
+    d_inc: int = 1
+    """Delta grows by this while the mean reward's slope over ``window`` steps is positive..."""
+    d_dec: int = 1
+    """...and shrinks by this otherwise."""
+    window: int = 5
+    """Steps in the reward-slope window (>= 2: a slope needs two points)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_min <= self.chunk_max:
+            raise ValueError(f"oppo.chunk_min and oppo.chunk_max: need 1 <= chunk_min <= chunk_max, got {self.chunk_min}, {self.chunk_max}")
+        if self.chunk_probe_every < 1:
+            raise ValueError(f"oppo.chunk_probe_every must be >= 1, got {self.chunk_probe_every}")
+        if not 0 <= self.delta_min <= self.delta_init <= self.delta_max:
+            raise ValueError("oppo.delta_*: need 0 <= delta_min <= delta_init <= delta_max, got "
+                             f"{self.delta_min}, {self.delta_init}, {self.delta_max}")
+        if self.d_inc < 0 or self.d_dec < 0:
+            raise ValueError(f"oppo.d_inc and oppo.d_dec must be >= 0, got {self.d_inc}, {self.d_dec}")
+        if self.window < 2:
+            raise ValueError(f"oppo.window must be >= 2 (a slope needs two points), got {self.window}")
+        if self.intra:
+            raise ValueError("oppo.intra needs scoring models (reference, critic, reward model) to overlap with "
+                             "decoding: the PPO path (a3po.streaming); the GRPO path has none")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    oppo: OppoConfig = field(default_factory=OppoConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -218,6 +264,10 @@ class TrainConfig:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
                 raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
+        if self.oppo.inter and proximal_method_name(self.rl) == "behaviour":
+            # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
+            raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
+                             "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
         if self.distributed.deepspeed_config is not None:
             from a3po.distributed import read_deepspeed_json
 
