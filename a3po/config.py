@@ -67,6 +67,11 @@ class DataConfig:
     teacher_slip_rate: float = ArithmeticDifficulty.slip_rate
     """Embedded task: fraction of warm-start solutions with a slipped result (see
     :class:`a3po.arithmetic.ArithmeticDifficulty`)."""
+    long_tail_frac: float = ArithmeticDifficulty.long_tail_frac
+    """Embedded task: fraction of multi-step problems with answers several times longer (the
+    long-tailed workload of ``bench.oppo``; raise ``rl.max_new_tokens`` to ~64 with it)."""
+    long_tail_steps: int = ArithmeticDifficulty.long_tail_steps
+    """Embedded task: operations in a long-tail problem (one worked line each)."""
     max_prompt_tokens: int = 96
     on_bad_row: str = "error"
     """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""
@@ -78,6 +83,10 @@ class DataConfig:
             raise ValueError("data.n_train and data.n_heldout must be >= 1")
         if not 0.0 <= self.teacher_slip_rate < 1.0:
             raise ValueError(f"data.teacher_slip_rate must be in [0, 1), got {self.teacher_slip_rate}")
+        if not 0.0 <= self.long_tail_frac <= 1.0:
+            raise ValueError(f"data.long_tail_frac must be in [0, 1], got {self.long_tail_frac}")
+        if not 2 <= self.long_tail_steps <= 8:
+            raise ValueError(f"data.long_tail_steps must be in [2, 8] (prompts must fit max_prompt_tokens), got {self.long_tail_steps}")
 
 
 @dataclass(frozen=True)

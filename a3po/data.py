@@ -89,7 +89,8 @@ def validate_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, on_bad_ro
 
 def load_rows(cfg: DataConfig, tokenizer) -> tuple[list[dict], list[dict], list[DatasetReport]]:
     """Train and held-out rows for ``cfg``, validated against ``tokenizer``."""
-    diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate)
+    diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate,
+                                long_tail_frac=cfg.long_tail_frac, long_tail_steps=cfg.long_tail_steps)
     raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed, diff)
     raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff)
     train, r1 = validate_rows(raw_train, tokenizer, cfg.max_prompt_tokens, cfg.on_bad_row, cfg.train_path or "arith:train")
