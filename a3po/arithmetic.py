@@ -59,6 +59,12 @@ class ArithmeticDifficulty:
     ``####`` line carry a result off by 1 or 2 (the gold stays right). Supervised learning on
     them gives a policy that knows each fact but often writes a near miss; the verifiable
     reward is what tells the two apart."""
+    long_tail_frac: float = 0.0
+    """Fraction of problems that are multi-step chains (buys / gives away, ``long_tail_steps``
+    operations) whose worked solution has one line per step: a few answers several times longer
+    than the rest, the long-tailed workload where OPPO's overlaps pay (docs/oppo.md). 0 draws
+    exactly the problems of earlier versions."""
+    long_tail_steps: int = 5
 
 
 def _is_heldout(key: str, fraction: float) -> bool:
@@ -95,6 +101,38 @@ def make_problem(rng: random.Random, diff: ArithmeticDifficulty, slip: random.Ra
     }
 
 
+def make_chain_problem(rng: random.Random, diff: ArithmeticDifficulty, slip: random.Random | None = None) -> dict:
+    """A long-tail problem: a start amount, then ``diff.long_tail_steps - 1`` buys / gives away,
+    solved one line per operation (never negative). Uses only words of :data:`TEMPLATES`, so the
+    tokenizer's vocabulary is unchanged."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    total = rng.randint(1, diff.max_add)
+    sentences, lines, ops = [f"{name} has {total} {item}."], [], [str(total)]
+    for _ in range(diff.long_tail_steps - 1):
+        x = rng.randint(1, diff.max_add)
+        if rng.random() < 0.5 and x <= total:
+            sentences.append(f"{PRONOUN[name]} gives away {x}.")
+            lines.append(f"{total} - {x} = {total - x}")
+            total -= x
+            ops.append(f"-{x}")
+        else:
+            sentences.append(f"{PRONOUN[name]} buys {x} more.")
+            lines.append(f"{total} + {x} = {total + x}")
+            total += x
+            ops.append(f"+{x}")
+    written = total
+    if slip is not None and slip.random() < diff.slip_rate:
+        written = total + slip.choice([d for d in (-2, -1, 1, 2) if total + d >= 0])
+        lines[-1] = lines[-1].rsplit("=", 1)[0] + f"= {written}"
+    question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    return {
+        "key": f"chain:{name}:{item}:{':'.join(ops)}",
+        "prompt": PROMPT_FORMAT.format(question=question),
+        "solution": "\n".join(lines) + f"\n#### {written}",
+        "gold": str(total),
+    }
+
+
 def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = ArithmeticDifficulty()) -> list[dict]:
     """``n`` problems of ``split`` ("train" or "heldout"), deterministic in ``seed``. Rows carry
     ``id``, ``prompt``, ``gold`` (the number after ``####``), ``solution`` and ``task``."""
@@ -110,6 +148,10 @@ def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = A
             raise RuntimeError(f"could not draw {n} {split} problems; widen the difficulty ranges")
         slip = random.Random(f"{seed}:{split}:slip:{len(rows)}") if not want_heldout else None
         p = make_problem(rng, diff, slip)
+        if diff.long_tail_frac > 0:  # a stream of its own: frac = 0 draws what earlier versions drew
+            tail = random.Random(f"{seed}:{split}:tail:{attempts}")
+            if tail.random() < diff.long_tail_frac:
+                p = make_chain_problem(tail, diff, slip)
         if _is_heldout(p.pop("key"), diff.heldout_fraction) != want_heldout:
             continue
         rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "task": "arith", **p})

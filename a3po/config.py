@@ -68,6 +68,11 @@ class DataConfig:
     teacher_slip_rate: float = ArithmeticDifficulty.slip_rate
     """Embedded task: fraction of warm-start solutions with a slipped result (see
     :class:`a3po.arithmetic.ArithmeticDifficulty`)."""
+    long_tail_frac: float = ArithmeticDifficulty.long_tail_frac
+    """Embedded task: fraction of multi-step problems with answers several times longer (the
+    long-tailed workload of ``bench.oppo``; raise ``rl.max_new_tokens`` to ~64 with it)."""
+    long_tail_steps: int = ArithmeticDifficulty.long_tail_steps
+    """Embedded task: operations in a long-tail problem (one worked line each)."""
     max_prompt_tokens: int = 96
     """Longest prompt, in tokens of the formatted prompt (chat template and instruction included)."""
     on_bad_row: str = "error"
@@ -98,6 +103,10 @@ class DataConfig:
             raise ValueError("data.n_train and data.n_heldout must be >= 1")
         if not 0.0 <= self.teacher_slip_rate < 1.0:
             raise ValueError(f"data.teacher_slip_rate must be in [0, 1), got {self.teacher_slip_rate}")
+        if not 0.0 <= self.long_tail_frac <= 1.0:
+            raise ValueError(f"data.long_tail_frac must be in [0, 1], got {self.long_tail_frac}")
+        if not 2 <= self.long_tail_steps <= 8:
+            raise ValueError(f"data.long_tail_steps must be in [2, 8] (prompts must fit max_prompt_tokens), got {self.long_tail_steps}")
 
 
 @dataclass(frozen=True)
@@ -232,12 +241,58 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class OppoConfig:
+    """OPPO's two overlaps (docs/oppo.md), each on or off whatever the variant. Off (the
+    default) the run computes exactly what it did without OPPO."""
+
+    intra: bool = False
+    """Intra-step overlap: reference / critic / reward models score each chunk of generated
+    tokens while the actor decodes the next (:mod:`a3po.streaming`). Needs those models: the
+    PPO path; the GRPO path has none to overlap."""
+    inter: bool = False
+    """Inter-step overlap: admit ``batch_prompts + Delta`` groups, train on the first
+    ``batch_prompts`` that complete, carry the others over (:mod:`a3po.overcommit`)."""
+    chunk_min: int = 1
+    """Smallest streamed chunk (tokens); the tuner tries powers of two up to ``chunk_max``."""
+    chunk_max: int = 16
+    chunk_probe_every: int = 20
+    """Steps between two probes of the chunk candidates (also re-probed on a length shift)."""
+    delta_init: int = 2
+    """Extra groups admitted per step at the start (Delta)."""
+    delta_min: int = 0
+    delta_max: int = 8
+    d_inc: int = 1
+    """Delta grows by this while the mean reward's slope over ``window`` steps is positive..."""
+    d_dec: int = 1
+    """...and shrinks by this otherwise."""
+    window: int = 5
+    """Steps in the reward-slope window (>= 2: a slope needs two points)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_min <= self.chunk_max:
+            raise ValueError(f"oppo.chunk_min and oppo.chunk_max: need 1 <= chunk_min <= chunk_max, got {self.chunk_min}, {self.chunk_max}")
+        if self.chunk_probe_every < 1:
+            raise ValueError(f"oppo.chunk_probe_every must be >= 1, got {self.chunk_probe_every}")
+        if not 0 <= self.delta_min <= self.delta_init <= self.delta_max:
+            raise ValueError("oppo.delta_*: need 0 <= delta_min <= delta_init <= delta_max, got "
+                             f"{self.delta_min}, {self.delta_init}, {self.delta_max}")
+        if self.d_inc < 0 or self.d_dec < 0:
+            raise ValueError(f"oppo.d_inc and oppo.d_dec must be >= 0, got {self.d_inc}, {self.d_dec}")
+        if self.window < 2:
+            raise ValueError(f"oppo.window must be >= 2 (a slope needs two points), got {self.window}")
+        if self.intra:
+            raise ValueError("oppo.intra needs scoring models (reference, critic, reward model) to overlap with "
+                             "decoding: the PPO path (a3po.streaming); the GRPO path has none")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    oppo: OppoConfig = field(default_factory=OppoConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -254,6 +309,10 @@ class TrainConfig:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
                 raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
+        if self.oppo.inter and proximal_method_name(self.rl) == "behaviour":
+            # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
+            raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
+                             "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
         if self.distributed.deepspeed_config is not None:
             from a3po.distributed import read_deepspeed_json
 
@@ -484,13 +543,26 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return d
 
 
+def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_defaults(out[key], value)
+    return out
+
+
 # Fields that do not change what a run computes: a checkpoint may be resumed with others.
 RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the fields whose values differ between two :func:`config_to_dict`
-    results (fields in :data:`RESUME_NEUTRAL_FIELDS` aside), e.g. ``["rl.lr", "rl.steps"]``."""
+    results (fields in :data:`RESUME_NEUTRAL_FIELDS` aside), e.g. ``["rl.lr", "rl.steps"]``.
+    A field the saved config lacks (added in a later version) counts as its default."""
+    if not prefix:
+        saved = _with_defaults(saved, config_to_dict(TrainConfig()))
     out = []
     for key in sorted(set(saved) | set(current)):
         dotted = f"{prefix}{key}"

@@ -131,6 +131,8 @@ class ScoredBatch:
     completions: list[str]
     gen_time_s: float
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
+    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
+    producer_state: dict | None = None  # JSON state after producing this batch (OPPO carry-over), for checkpoints
 
 
 class ProducerFailed(RuntimeError):
@@ -187,20 +189,25 @@ class RolloutProducer(threading.Thread):
 
         return hook
 
+    def _produce_next(self, j: int) -> ScoredBatch:
+        prompts, meta = self.sampler.batch(j)
+        self.admission.admit(len(prompts))
+        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        t0 = time.perf_counter()
+        gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
+        rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
+        completions = [self.decode(r) for r in rollout.responses]
+        t1 = time.perf_counter()
+        with grader_counts() as grader:
+            rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
+        t2 = time.perf_counter()
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1})
+
     def run(self) -> None:
         try:
             while not self._halt.is_set():
                 j = self.next_index
-                prompts, meta = self.sampler.batch(j)
-                self.admission.admit(len(prompts))
-                self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
-                t0 = time.perf_counter()
-                gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
-                rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
-                completions = [self.decode(r) for r in rollout.responses]
-                with grader_counts() as grader:
-                    rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
-                self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0, grader))
+                self.out.put(self._produce_next(j))
                 self.next_index = j + 1
         except Stopped:
             pass

@@ -101,7 +101,8 @@ def validate_rows(
 def load_rows(cfg: DataConfig, tokenizer, require_solution: bool = False) -> tuple[list[dict], list[dict], list[DatasetReport]]:
     """Train and held-out rows for ``cfg``, validated against ``tokenizer``. With
     ``require_solution`` (a warm start will run) every training row needs a 'solution'."""
-    diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate)
+    diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate,
+                                long_tail_frac=cfg.long_tail_frac, long_tail_steps=cfg.long_tail_steps)
     raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed, diff)
     raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff)
     try:

@@ -76,6 +76,7 @@ def _cache_kwarg() -> str:
 _CACHE_KW = _cache_kwarg()
 
 BetweenSteps = Callable[[int], "int | None"]
+OnToken = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class RolloutEngine:
@@ -96,7 +97,15 @@ class RolloutEngine:
         generator: torch.Generator | None = None,
         between_steps: BetweenSteps | None = None,
         meta: list[dict] | None = None,
+        on_token: OnToken | None = None,
+        row_budget: torch.Tensor | None = None,
+        stop_early: Callable[[torch.Tensor], bool] | None = None,
     ) -> RolloutBatch:
+        """Sample up to ``params.max_new_tokens`` per row. Options of OPPO (all None: plain
+        decoding): ``on_token(t, tokens, alive)`` sees each decode step's ``(n,)`` tokens and
+        alive mask (streamed scoring); ``row_budget`` ``(n,)`` caps each row's new tokens (a row
+        that reaches it stops unfinished); ``stop_early(done)`` gets the ``(n,)`` mask of rows
+        done so far after each step and may end decoding there (over-commitment)."""
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         for i, p in enumerate(prompts):
@@ -148,7 +157,11 @@ class RolloutEngine:
             finished |= hit_eos
             alive_before = alive
             alive = alive & ~hit_eos
-            if not bool(alive.any()):  # a CPU-GPU sync point per decode step, the price of stopping early
+            if on_token is not None:
+                on_token(t, tok, alive_before)
+            if row_budget is not None:
+                alive = alive & (row_budget.to(device) > t + 1)
+            if not bool(alive.any()) or (stop_early is not None and stop_early(~alive)):  # a CPU-GPU sync point per decode step, the price of stopping early
                 break
             step_ids = tok[:, None]
             attn = torch.cat([attn, alive_before.long()[:, None]], dim=1)

@@ -25,6 +25,7 @@ from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
+from a3po.overcommit import DeltaController, OverlapProducer
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.rollout import RolloutEngine, SamplingParams
@@ -153,6 +154,15 @@ def train_step(
     return metrics
 
 
+def _latency_breakdown(generate_s: float, train_s: float, idle_s: float) -> dict[str, float]:
+    """Where a step's time went, seen from the trainer: ``idle`` is the wait for the batch.
+    Busy fractions are over the trainer's step period (wait + train); the generator's can
+    exceed 1 when it decodes while the trainer trains (the overlap)."""
+    period = max(train_s + idle_s, 1e-9)
+    return {"perf/generate_s": generate_s, "perf/train_s": train_s, "perf/idle_s": idle_s,
+            "perf/trainer_busy_frac": train_s / period, "perf/generator_busy_frac": generate_s / period}
+
+
 def save_rank_checkpoint(
     ckpt_dir: str, step: int, policy: torch.nn.Module, updater: Updater, ranks: Ranks, extra: dict, keep: int
 ) -> str | None:
@@ -271,7 +281,11 @@ def rl_train(
     engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
     sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(cfg.data))
     batch_size = rl.batch_prompts * rl.group_size
-    producer = RolloutProducer(
+    # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
+    oppo = cfg.oppo
+    producer_kw = dict(batch_groups=rl.batch_prompts, group_size=rl.group_size, delta=DeltaController(
+        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.d_inc, oppo.d_dec, oppo.window)) if oppo.inter else {}
+    producer = (OverlapProducer if oppo.inter else RolloutProducer)(
         engine,
         store,
         Admission(store, s, batch_size, admitted=start * batch_size),
@@ -283,7 +297,11 @@ def rl_train(
         schedule=rl.schedule,
         seed=rl.seed,
         start=start,
+        **producer_kw,
     )
+    if oppo.inter and state is not None:
+        producer.load_state_dict(state["oppo_state"])  # the carry-over buffer as it was before batch `start`
+    producer_state = None
     producer.start()
     t_run = time.perf_counter()
     last_ckpt = str(ckpt) if ckpt else None
@@ -299,6 +317,9 @@ def rl_train(
             store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
+            metrics.update(scored.metrics)
+            metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
+            producer_state = scored.producer_state
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 held = ranks.from_main(evaluate_heldout(policy, tokenizer, heldout_rows, cfg) if ranks.is_main else None)
                 eval_curve.append((step + 1, held["eval/heldout_acc"]))
@@ -322,6 +343,7 @@ def rl_train(
                         "train_wall_s": train_wall,
                         "warmstart_acc": warmstart_acc,
                         "config": config_to_dict(cfg),
+                        **({"oppo_state": producer_state} if oppo.inter else {}),
                     },
                     keep=rl.keep_checkpoints,
                 )

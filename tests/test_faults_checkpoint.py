@@ -365,3 +365,16 @@ def test_save_refuses_values_that_would_not_load_safely(tmp_path):
     with pytest.raises(TypeError, match=r"policy.pt\['f'\] is a _Payload"):
         save_checkpoint(tmp_path, 2, {"step": 2, "policy": {"w": torch.zeros(1), "f": _Payload(tmp_path / "x")}})
     assert not list(tmp_path.glob("step_*")) and not (tmp_path / "x").exists()
+
+
+def test_fields_added_since_a_checkpoint_count_as_their_defaults():
+    # A checkpoint of an earlier version lacks the sections and fields added since: they are
+    # their defaults, so the run resumes; a field that really changed is still named.
+    from a3po.config import config_differences, config_to_dict
+
+    current = config_to_dict(_cfg())
+    saved = json.loads(json.dumps(current))
+    del saved["oppo"], saved["data"]["long_tail_frac"]
+    assert config_differences(saved, current) == []
+    saved["rl"]["lr"] = 1.0
+    assert config_differences(saved, current) == ["rl.lr"]
