@@ -102,6 +102,12 @@ class Admission:
         self.store.wait_until(lambda: self.admitted + n <= self.capacity(self.store.latest))
         self.admitted += n
 
+    def admit_batch(self, index: int, n: int) -> None:
+        """Batch ``index`` of ``n`` samples (batches all have ``n``): every batch before it counts
+        as admitted, whoever generated it (rollout workers each take every k-th batch)."""
+        self.admitted = index * n
+        self.admit(n)
+
 
 class PromptSampler:
     """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts."""
@@ -136,7 +142,9 @@ class ProducerFailed(RuntimeError):
 
 
 class RolloutProducer(threading.Thread):
-    """Generates batches ``start, start+1, ...`` into ``out`` under the admission bound."""
+    """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
+    under the admission bound. In a trainer process: every batch; in one of k rollout workers
+    (:mod:`a3po.disaggregated`): every k-th."""
 
     def __init__(
         self,
@@ -151,11 +159,14 @@ class RolloutProducer(threading.Thread):
         schedule: str,
         seed: int,
         start: int = 0,
+        stride: int = 1,
+        end: int | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
         self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
         self.params, self.score, self.decode = params, score, decode
         self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
+        self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
 
@@ -187,10 +198,10 @@ class RolloutProducer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self._halt.is_set():
+            while not self._halt.is_set() and (self.end is None or self.next_index < self.end):
                 j = self.next_index
                 prompts, meta = self.sampler.batch(j)
-                self.admission.admit(len(prompts))
+                self.admission.admit_batch(j, len(prompts))
                 self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
                 t0 = time.perf_counter()
                 gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
@@ -199,7 +210,7 @@ class RolloutProducer(threading.Thread):
                 with grader_counts() as grader:
                     rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
                 self.out.put(ScoredBatch(j, rollout, rewards, completions, time.perf_counter() - t0, grader))
-                self.next_index = j + 1
+                self.next_index = j + self.stride
         except Stopped:
             pass
         except BaseException as e:  # surfaced in the trainer thread, with the traceback
