@@ -271,7 +271,8 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
         try:
             while True:
                 version, state = _receive_version(layout, device, weights_group)
-                if version == STOP:
+                if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
+                    producer.out.put(None)
                     return
                 store.publish(version, state)
         except BaseException as e:
@@ -284,7 +285,10 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     sent = 0
     try:
         for _ in range(first, hello["end"], n):
-            send_batch(producer.next_batch(timeout=None), samples_group)
+            batch = producer.next_batch(timeout=None)
+            if batch is None:  # the trainer ended the run early: its own error is the run's
+                break
+            send_batch(batch, samples_group)
             sent += 1
     except BaseException as e:
         try:  # tell the trainer why, so its error names this worker and the cause
