@@ -83,12 +83,16 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     hf_logging.disable_progress_bar()
     # Under torchrun every rank runs this command; rank 0 alone warm-starts, writes and prints.
     ds_path = cfg.distributed.deepspeed_config
-    ranks = init_ranks(ds_path)
+    try:
+        ranks = init_ranks(ds_path, cfg.distributed.rollout_workers)
+    except (ValueError, RuntimeError) as e:  # the launch does not fit the config's topology
+        print(f"a3po train: error: {e}", file=sys.stderr)
+        return 2
     say = print if ranks.is_main else (lambda *a, **k: None)
 
     t0 = time.perf_counter()
     try:
-        ws_dir, ws_acc = ranks.from_main(prepare_warmstart(cfg, out / "cache") if ranks.is_main else None)
+        ws_dir, ws_acc = ranks.share(prepare_warmstart(cfg, out / "cache") if ranks.is_main else None)
     except BadRowError as e:  # a dataset row named by file and line, read before any training
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +127,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     # wall_s: the whole command (warm start included); rl_wall_s: the RL loop with its evaluations.
     stage = zero_stage(read_deepspeed_json(ds_path, cfg.rl.grad_clip)) if ds_path else None
     print(json.dumps({**result.summary(), "rl_wall_s": round(result.wall_s, 2), "wall_s": round(wall, 2), "run_dir": str(run_dir),
-                      "world_size": ranks.world_size, "zero_stage": stage}))
+                      "world_size": ranks.world_size, "zero_stage": stage, "rollout_workers": ranks.rollout_workers}))
     return 0
 
 

@@ -103,6 +103,12 @@ class Admission:
         self.store.wait_until(lambda: self.admitted + n <= self.capacity(self.store.latest))
         self.admitted += n
 
+    def admit_batch(self, index: int, n: int) -> None:
+        """Batch ``index`` of ``n`` samples (batches all have ``n``): every batch before it counts
+        as admitted, whoever generated it (rollout workers each take every k-th batch)."""
+        self.admitted = index * n
+        self.admit(n)
+
 
 class PromptSampler:
     """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts.
@@ -140,7 +146,9 @@ class ProducerFailed(RuntimeError):
 
 
 class RolloutProducer(threading.Thread):
-    """Generates batches ``start, start+1, ...`` into ``out`` under the admission bound."""
+    """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
+    under the admission bound. In a trainer process: every batch; in one of k rollout workers
+    (:mod:`a3po.disaggregated`): every k-th."""
 
     def __init__(
         self,
@@ -155,11 +163,14 @@ class RolloutProducer(threading.Thread):
         schedule: str,
         seed: int,
         start: int = 0,
+        stride: int = 1,
+        end: int | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
         self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
         self.params, self.score, self.decode = params, score, decode
         self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
+        self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
 
@@ -191,7 +202,7 @@ class RolloutProducer(threading.Thread):
 
     def _produce_next(self, j: int) -> ScoredBatch:
         prompts, meta = self.sampler.batch(j)
-        self.admission.admit(len(prompts))
+        self.admission.admit_batch(j, len(prompts))
         self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
         t0 = time.perf_counter()
         gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
@@ -205,10 +216,10 @@ class RolloutProducer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self._halt.is_set():
+            while not self._halt.is_set() and (self.end is None or self.next_index < self.end):
                 j = self.next_index
                 self.out.put(self._produce_next(j))
-                self.next_index = j + 1
+                self.next_index = j + self.stride
         except Stopped:
             pass
         except BaseException as e:  # surfaced in the trainer thread, with the traceback

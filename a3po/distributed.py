@@ -88,11 +88,25 @@ def zero_stage(ds: Mapping[str, Any]) -> int:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place among the trainer ranks; collectives are identities at world size 1."""
+    """This process's place among the trainer ranks; collectives are identities at world size 1.
+
+    With rollout workers (``distributed.rollout_workers``, :mod:`a3po.disaggregated`) the launch
+    is ``world_size`` trainer ranks followed by ``rollout_workers`` processes that only generate;
+    the trainer collectives below (``shard``, ``sum``, ``gather_rows``, ``from_main``) concern the
+    trainer ranks, ``share`` the whole launch."""
 
     rank: int = 0
-    world_size: int = 1
+    world_size: int = 1  # trainer ranks
     local_rank: int = 0
+    rollout_workers: int = 0
+
+    @property
+    def is_rollout_worker(self) -> bool:
+        return self.rank >= self.world_size
+
+    @property
+    def launch_size(self) -> int:
+        return self.world_size + self.rollout_workers
 
     @property
     def is_main(self) -> bool:
@@ -133,8 +147,17 @@ class Ranks:
         return out
 
     def from_main(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's ``obj`` on every trainer rank. (Rollout workers come with one trainer rank
+        only, so the default group is the trainer ranks whenever this is a collective.)"""
         if self.world_size == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every process of the launch, rollout workers included."""
+        if self.launch_size == 1:
             return obj
         box = [obj if self.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -145,8 +168,9 @@ class Ranks:
             torch.distributed.barrier()
 
 
-def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
-    """Rank and world size as the launcher set them; no variables means one process."""
+def ranks_from_env(environ: Mapping[str, str] = os.environ, rollout_workers: int = 0) -> Ranks:
+    """Rank and world size as the launcher set them; no variables means one process. The last
+    ``rollout_workers`` processes of the launch are rollout workers, the others trainer ranks."""
     try:
         rank = int(environ.get("RANK", 0))
         world = int(environ.get("WORLD_SIZE", 1))
@@ -158,13 +182,32 @@ def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
         ) from None
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
-    return Ranks(rank, world, local)
+    if rollout_workers and world <= rollout_workers:
+        raise ValueError(
+            f"distributed.rollout_workers is {rollout_workers} but the launch has {world} process(es) (WORLD_SIZE): "
+            f"launch {rollout_workers + 1}, e.g. torchrun --nproc_per_node {rollout_workers + 1} (trainer ranks first, then the workers)"
+        )
+    return Ranks(rank, world - rollout_workers, local, rollout_workers)
 
 
-def init_ranks(deepspeed_config: str | None) -> Ranks:
+def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     """Join the trainer ranks (idempotent). Without a DeepSpeed config this is one plain process,
-    and a launch of several ranks is refused: they would train independent copies into one folder."""
-    ranks = ranks_from_env()
+    and a launch of several ranks is refused: they would train independent copies into one folder.
+    With rollout workers: one trainer rank and the workers, a plain gloo group from the launcher's
+    environment (the weights and samples travel through host memory, see a3po.disaggregated)."""
+    ranks = ranks_from_env(rollout_workers=rollout_workers)
+    if rollout_workers:
+        if deepspeed_config is not None or ranks.world_size != 1:
+            raise RuntimeError(
+                f"launched as {ranks.launch_size} processes with distributed.rollout_workers {rollout_workers}: "
+                f"that leaves {ranks.world_size} trainer ranks, but rollout workers serve one trainer rank "
+                f"without DeepSpeed; launch {rollout_workers + 1} processes"
+            )
+        if not torch.distributed.is_initialized():
+            if torch.cuda.is_available():  # each process on its own GPU when there are enough
+                torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+            torch.distributed.init_process_group("gloo")  # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+        return ranks
     if deepspeed_config is None:
         if ranks.world_size > 1:
             raise RuntimeError(

@@ -17,18 +17,16 @@ import torch
 from a3po.advantages import ADVANTAGE_ESTIMATORS
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
-from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
-from a3po.data import prompt_style
-from a3po.devices import model_device, model_dtype, synchronize
+from a3po.controller import ScoredBatch, WeightStore, clone_state
+from a3po.devices import synchronize
 from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
-from a3po.overcommit import DeltaController, OverlapProducer
+from a3po.producers import ROLLOUT_PLACEMENTS, RolloutInputs, placement_name
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
-from a3po.rollout import RolloutEngine, SamplingParams
 from a3po.stability import TokenStats, stability_metrics
 
 
@@ -230,9 +228,12 @@ def rl_train(
     intact) and rewinds ``logger`` to the checkpoint's step.
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
-    alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints."""
+    alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
+    With ``distributed.rollout_workers``, on a worker's rank this generates batches for the
+    trainer until the run ends (:mod:`a3po.disaggregated`) and returns a result without history."""
     rl = cfg.rl
-    ranks = init_ranks(cfg.distributed.deepspeed_config)
+    t_run = time.perf_counter()
+    ranks = init_ranks(cfg.distributed.deepspeed_config, cfg.distributed.rollout_workers)
     logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
     progress = progress if ranks.is_main else None
     s = effective_max_staleness(rl)
@@ -242,6 +243,16 @@ def rl_train(
     eval_curve: list[tuple[int, float]] = []
     start, train_wall, resumed_from = 0, 0.0, None
     check_grader(cfg.data.task)  # a grader that cannot start fails the run now, not as zero rewards
+    rollout_inputs = RolloutInputs(
+        cfg, policy, tokenizer, train_rows,
+        score=lambda comps, meta: score_completions(cfg.data.task, comps, [m["gold"] for m in meta], [m["id"] for m in meta]),
+    )
+    if ranks.is_rollout_worker:
+        from a3po.disaggregated import serve_rollouts
+
+        serve_rollouts(rollout_inputs, ranks)
+        nan = float("nan")
+        return TrainResult(rl.variant.value, rl.seed, nan, nan, rl.steps, time.perf_counter() - t_run)
 
     skipped: list[str] = []
     found = load_latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
@@ -272,38 +283,13 @@ def rl_train(
     if not eval_curve:
         eval_curve = [(0, warmstart_acc)]
 
-    # The producer samples from its own copy of the policy (the "inference engine"), on the
-    # policy's device and in its dtype.
-    with torch.device(model_device(policy)):  # built in place: no CPU initialisation of a large model
-        engine_model = type(policy)(policy.config)
-    engine_model.to(dtype=model_dtype(policy))
-    engine_model.load_state_dict(store.get(store.latest))
-    engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
-    sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(cfg.data))
-    batch_size = rl.batch_prompts * rl.group_size
-    # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
-    oppo = cfg.oppo
-    producer_kw = dict(batch_groups=rl.batch_prompts, group_size=rl.group_size, delta=DeltaController(
-        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.d_inc, oppo.d_dec, oppo.window)) if oppo.inter else {}
-    producer = (OverlapProducer if oppo.inter else RolloutProducer)(
-        engine,
-        store,
-        Admission(store, s, batch_size, admitted=start * batch_size),
-        sampler,
-        SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_p),
-        score=lambda comps, meta: score_completions(cfg.data.task, comps, [m["gold"] for m in meta], [m["id"] for m in meta]),
-        decode=lambda toks: tokenizer.decode([t for t in toks if t != tokenizer.eos_token_id], skip_special_tokens=True),
-        max_staleness=s,
-        schedule=rl.schedule,
-        seed=rl.seed,
-        start=start,
-        **producer_kw,
-    )
-    if oppo.inter and state is not None:
+    # Rollouts come from a thread of this process or from rollout-worker processes (a3po.producers).
+    producer = ROLLOUT_PLACEMENTS.get(placement_name(cfg.distributed))(rollout_inputs, store, start, ranks)
+    if cfg.oppo.inter and state is not None:
         producer.load_state_dict(state["oppo_state"])  # the carry-over buffer as it was before batch `start`
     producer_state = None
     producer.start()
-    t_run = time.perf_counter()
+    t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
     last_ckpt = str(ckpt) if ckpt else None
     try:
         for step in range(start, rl.steps):

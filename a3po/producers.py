@@ -1,0 +1,106 @@
+"""Where rollouts are generated, one registered placement per topology; the trainer picks one by
+config and sees the same interface (:class:`Producer`) whichever it gets.
+
+* ``in_process`` (``distributed.rollout_workers: 0``): a thread of the trainer process samples
+  from its own copy of the policy (:class:`a3po.controller.RolloutProducer`).
+* ``workers`` (``rollout_workers: N``): N processes of their own generate and score; the trainer
+  side pushes each weight version to them and receives their batches
+  (:class:`a3po.disaggregated.RemoteRollouts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from a3po.config import DistributedConfig, TrainConfig, effective_max_staleness
+from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore
+from a3po.data import prompt_style
+from a3po.devices import model_device, model_dtype
+from a3po.distributed import Ranks
+from a3po.overcommit import DeltaController, OverlapProducer
+from a3po.registry import Registry
+from a3po.rollout import RolloutEngine, SamplingParams
+
+
+class Producer(Protocol):
+    """What the training loop asks of a placement."""
+
+    def start(self) -> None: ...
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What generating and scoring need, whichever process does it."""
+
+    cfg: TrainConfig
+    policy: torch.nn.Module
+    tokenizer: object
+    train_rows: list[dict]
+    score: Callable[[list[str], list[dict]], list[float]]  # (completions, meta) -> rewards
+
+
+def local_producer(
+    inp: RolloutInputs, engine_model: torch.nn.Module, store: WeightStore, start: int, stride: int = 1, end: int | None = None
+) -> RolloutProducer:
+    """A producer thread (with OPPO's carry-over when ``oppo.inter``) sampling from ``engine_model``, which starts on the store's newest
+    weights; the same construction in a trainer process and in a rollout worker."""
+    rl, tok = inp.cfg.rl, inp.tokenizer
+    s = effective_max_staleness(rl)
+    engine_model.load_state_dict(store.get(store.latest))
+    engine = RolloutEngine(engine_model.eval(), tok.eos_token_id, tok.pad_token_id, version=store.latest)
+    batch_size = rl.batch_prompts * rl.group_size
+    # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
+    oppo = inp.cfg.oppo
+    overlap = dict(batch_groups=rl.batch_prompts, group_size=rl.group_size, delta=DeltaController(
+        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.d_inc, oppo.d_dec, oppo.window)) if oppo.inter else {}
+    return (OverlapProducer if oppo.inter else RolloutProducer)(
+        engine,
+        store,
+        Admission(store, s, batch_size, admitted=start * batch_size),
+        PromptSampler(inp.train_rows, tok, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(inp.cfg.data)),
+        SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_p),
+        score=inp.score,
+        decode=lambda toks: tok.decode([t for t in toks if t != tok.eos_token_id], skip_special_tokens=True),
+        max_staleness=s,
+        schedule=rl.schedule,
+        seed=rl.seed,
+        start=start,
+        stride=stride,
+        end=end,
+        **overlap,
+    )
+
+
+PlacementFactory = Callable[[RolloutInputs, WeightStore, int, Ranks], Producer]
+ROLLOUT_PLACEMENTS: Registry[PlacementFactory] = Registry("rollout placement")
+
+
+def placement_name(distributed: DistributedConfig) -> str:
+    return "workers" if distributed.rollout_workers else "in_process"
+
+
+@ROLLOUT_PLACEMENTS.register("in_process")
+def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
+    # The producer samples from its own copy of the policy (the "inference engine"), on the
+    # policy's device and in its dtype; built in place: no CPU initialisation of a large model.
+    policy = inp.policy
+    with torch.device(model_device(policy)):
+        engine_model = type(policy)(policy.config)
+    engine_model.to(dtype=model_dtype(policy))
+    return local_producer(inp, engine_model, store, start)
+
+
+@ROLLOUT_PLACEMENTS.register("workers")
+def workers(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
+    from a3po.disaggregated import RemoteRollouts  # it builds on this module
+
+    return RemoteRollouts(inp, store, start, ranks)
