@@ -329,7 +329,7 @@ def rl_train(
                         "train_wall_s": train_wall,
                         "warmstart_acc": warmstart_acc,
                         "config": config_to_dict(cfg),
-                        **({"oppo_state": producer_state} if oppo.inter else {}),
+                        **({"oppo_state": producer_state} if cfg.oppo.inter else {}),
                     },
                     keep=rl.keep_checkpoints,
                 )

@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
 from a3po.launch import LaunchSpec
-from a3po.metrics import FanoutLogger, JsonlLogger, NullLogger
+from a3po.metrics import FanoutLogger, JsonlLogger
 from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
 from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.runtime import run_logger

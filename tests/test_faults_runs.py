@@ -33,7 +33,7 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect
 
 import pytest
 
-from a3po.runlock import LOCK_NAME, RunFolderBusy, acquire, hold_run_folder, in_use_by_another, read_holder, release
+from a3po.runlock import LOCK_NAME, RunFolderBusy, acquire, hold_run_folder, in_use_by_another, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
