@@ -26,6 +26,18 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 ``grader/worker_errors``    ... math-verify could not decide (evaluator error; scored 0)
 ``grader/no_answer``        ... with no final answer found (scored 0)
 ``grader/too_long``         ... whose answer exceeded the grader's length bound (scored 0)
+``ppo/kl``, ``ppo/kl_seq``    (kl_coef > 0) KL of the sampling policy to the reference (frozen warm
+                            start), ``ppo.kl_estimator`` per token: mean per token / per sequence, nats
+``ppo/value_loss``          (critic) clipped value loss, 0.5 * squared error, token mean
+``ppo/value_clip_frac``     fraction of tokens where the clipped value term is active
+``ppo/value_grad_norm``     the critic's gradient norm before clipping
+``ppo/value_mean``          mean critic value on generated tokens when the batch is scored
+``ppo/return_mean``         mean GAE return (the critic's target) on generated tokens
+``ppo/explained_variance``  1 - Var(R - V) / Var(R): 1 perfect critic, 0 a constant, < 0 worse
+``reward/model_mean``       (reward: model) mean reward-model score, sigmoid(logit) in 0..1
+``reward/model_grader_agreement``  fraction of samples where RM score > 0.5 matches the grader
+``reward_model/heldout_acc``  (offline RM training, on the flow's parent run) held-out accuracy;
+                            ``reward_model/heldout_majority_acc`` is the always-commoner-label baseline
 ==========================  ===============================================================
 """
 
