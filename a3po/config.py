@@ -214,6 +214,52 @@ def data_identity(data: DataConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(data).items() if _DATA_FIELDS_KEYED_WHEN_SET.get(k, object()) != v}
 
 
+@dataclass(frozen=True)
+class PPOConfig:
+    """The PPO path (critic, GAE, KL penalty, reward model); the defaults leave a GRPO run as it
+    is. See ``a3po.ppo`` and the ``tiny-ppo`` preset."""
+
+    critic: Literal["none", "policy_copy"] = "none"
+    """'policy_copy': a value model (the policy's backbone, copied at the start of RL, with a
+    scalar head) trained beside the policy; needed by ``rl.advantage: gae``."""
+    critic_lr: float = 1e-4
+    """The critic's own AdamW rate (constant after the policy's warm-up)."""
+    vf_coef: float = 1.0
+    """Scale of the value loss (the critic has its own optimizer: with Adam it matters only
+    through gradient clipping at ``rl.grad_clip``)."""
+    value_clip: float | None = 0.2
+    """eps_v of the clipped value loss; null: unclipped."""
+    gamma: float = 1.0
+    """GAE discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.0
+    """Per-token KL penalty against the reference (the frozen warm start) in the rewards; 0: no
+    reference model is kept."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """How the per-token KL is estimated from the sampled tokens (``a3po.ppo.KL_ESTIMATORS``)."""
+    reward: Literal["grader", "model"] = "grader"
+    """'grader': the task's grader scores each completion; 'model': a reward model does
+    (the grader's score is still logged as ``reward/mean``)."""
+    reward_model_path: str | None = None
+    """With ``reward: model``: a sequence-classification model directory with one label (see
+    ``a3po.reward_model``); its sigmoid is the reward."""
+
+    def __post_init__(self) -> None:
+        if self.critic_lr <= 0 or self.vf_coef <= 0:
+            raise ValueError("ppo.critic_lr and ppo.vf_coef must be > 0")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"ppo.value_clip must be > 0 (or null: unclipped), got {self.value_clip}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.kl_coef < 0:
+            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.reward == "model" and not self.reward_model_path:
+            raise ValueError("ppo.reward is 'model' but ppo.reward_model_path is not set")
+        if self.reward == "grader" and self.reward_model_path:
+            raise ValueError("ppo.reward_model_path is set but ppo.reward is 'grader' (set ppo.reward: model to use it)")
+
+
 def effective_max_staleness(rl: RLConfig) -> int:
     """Sync is on-policy: the producer never runs ahead of the trainer."""
     return rl.max_staleness if rl.variant.is_async else 0
@@ -306,6 +352,7 @@ class TrainConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     oppo: OppoConfig = field(default_factory=OppoConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -333,6 +380,15 @@ class TrainConfig:
             from a3po.distributed import read_deepspeed_json
 
             read_deepspeed_json(self.distributed.deepspeed_config, self.rl.grad_clip)  # raises naming the file and key
+        from a3po.advantages import ADVANTAGE_ESTIMATORS
+
+        needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
+        if needs_values and self.ppo.critic == "none":
+            raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")
+        if not needs_values and self.ppo.critic != "none":  # a critic nobody reads would only cost time
+            raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
+        if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
+            raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
 
 
 class ConfigError(ValueError):
@@ -615,6 +671,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warm_start": {"steps": 5, "batch_size": 16},
         "rl": {"steps": 4, "batch_prompts": 4, "group_size": 2, "minibatches": 2, "max_new_tokens": 8,
                "eval_every": 2, "checkpoint_every": 2},
+    },
+    # PPO on the embedded task: GAE against a critic copied from the warm start, a small
+    # per-token KL penalty against the frozen warm start, the grader's reward. Same batches and
+    # policy settings as tiny, so it compares with GRPO.
+    "tiny-ppo": {
+        "rl": {"advantage": "gae"},
+        "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "gamma": 1.0, "lam": 0.95, "kl_coef": 0.01, "kl_estimator": "k3"},
     },
 }
 

@@ -3,50 +3,29 @@ MLflow is one implementation (in ``tasks/``), a JSONL file another.
 
 Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``):
 
-======================================  ===================================================
-``reward/mean``, ``/std``               reward of the training batch (grader score, 0..1)
-``stability/behav_iw_mean|p99|max``     behaviour importance weight pi_prox / pi_behav (the
-                                        off-policy correction) over the step's generated
-                                        tokens, all minibatches together (``a3po.stability``)
-``stability/behav_iw_capped_frac``      fraction of the step's tokens with that weight above
-                                        ``rl.behav_weight_cap`` (dropped from the loss)
-``stability/trust_ratio_mean|p99|max``  trust-region ratio pi_theta / pi_prox, same tokens
-``stability/trust_ratio_clipped_frac``  fraction of the step's tokens whose clipped term is
-                                        active (ratio outside the clip range: no gradient)
-``policy/approx_kl``                    KL(pi_prox || pi_theta) per token, nats: k3 estimator
-                                        importance-weighted by pi_prox / pi_behav because the
-                                        tokens were sampled from pi_behav; step's tokens
-``policy/entropy``                      mean next-token entropy on generated tokens, nats
-``policy/grad_norm``                    gradient norm before clipping, mean over minibatches
-``loss/policy``                         decoupled PPO loss, mean over minibatches
-``staleness/mean|max``                  trainer version minus token version, over generated
+
+``ppo/kl``, ``ppo/kl_seq``             (kl_coef > 0) KL of the sampling policy to the
+                                        reference (frozen warm start), ``ppo.kl_estimator``
+                                        per token: mean per token / per sequence, nats
+``ppo/value_loss``                      (critic) clipped value loss, 0.5 * squared error,
+                                        token mean
+``ppo/value_clip_frac``                 fraction of tokens where the clipped value term is
+                                        active
+``ppo/value_grad_norm``                 the critic's gradient norm before clipping
+``ppo/value_mean``                      mean critic value on generated tokens when the batch
+                                        is scored
+``ppo/return_mean``                     mean GAE return (the critic's target) on generated
                                         tokens
-``prox/time_s``                         wall time to obtain proximal log-probs this step
-``prox/approx_abs_err``                 (``metrics`` method) mean |loglinear - recomputed|
-                                        log-prob
-``perf/step_time_s``                    wall time of the training step (rollout wait excluded)
-``perf/wait_time_s``                    time the trainer waited for rollouts
-``perf/tokens_per_s``                   generated tokens trained per second of step wall time
-``time/train_wall_s``                   trainer wall clock so far: rollout waits + steps,
-                                        evaluations excluded (time to target reads it)
-``response/length_mean``                generated tokens per sample
-``eval/heldout_acc``                    held-out accuracy, **sampled**: mean@n
-                                        (``rl.eval_samples`` completions per problem) at the
-                                        training temperature, fixed sampling seed
-                                        (``a3po.evaluate``); step 0 = warm start
-``eval/heldout_greedy_acc``             held-out accuracy, greedy pass@1 (temperature 0)
-``grader/calls``                        completions graded for this step's batch (counts,
-                                        per batch)
-``grader/fast``                         ... decided by the exact plain-number compare
-``grader/math_verify``                  ... sent to the math-verify worker
-``grader/timeouts``                     ... whose math-verify comparison hit the timeout
-                                        (scored 0)
-``grader/worker_errors``                ... math-verify could not decide (evaluator error;
-                                        scored 0)
-``grader/no_answer``                    ... with no final answer found (scored 0)
-``grader/too_long``                     ... whose answer exceeded the grader's length bound
-                                        (scored 0)
-======================================  ===================================================
+``ppo/explained_variance``              1 - Var(R - V) / Var(R): 1 perfect critic, 0 a
+                                        constant, < 0 worse
+``reward/model_mean``                   (reward: model) mean reward-model score,
+                                        sigmoid(logit) in 0..1
+``reward/model_grader_agreement``       fraction of samples where RM score > 0.5 matches the
+                                        grader
+``reward_model/heldout_acc``            (offline RM training, on the flow's parent run)
+                                        held-out accuracy; ``reward_model/heldout_majority_acc``
+                                        is the always-commoner-label baseline
+======================================  ============================================
 """
 
 from __future__ import annotations

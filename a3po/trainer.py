@@ -1,7 +1,9 @@
 """The RL training step and loop.
 
-One step reads top to bottom: rollout (already produced, maybe stale) -> advantages ->
-proximal log-probs -> minibatch updates of the decoupled PPO loss -> metrics. The variants
+One step reads top to bottom: rollout (already produced, maybe stale) -> rewards (grader or
+reward model) -> reference KL -> critic values -> advantages -> proximal log-probs ->
+minibatch updates of the decoupled PPO loss (and the critic's value loss) -> metrics. The PPO
+parts (:mod:`a3po.ppo`) act only when configured; without them the step is GRPO's. The variants
 differ only in the proximal method and the staleness bound, both resolved before the loop.
 """
 
@@ -14,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS
+from a3po.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.controller import ScoredBatch, WeightStore, clone_state
@@ -25,6 +27,7 @@ from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.producers import ROLLOUT_PLACEMENTS, RolloutInputs, placement_name
+from a3po.ppo import PPOParts, build_ppo_parts, explained_variance, token_rewards
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.stability import TokenStats, stability_metrics
@@ -52,21 +55,32 @@ def train_step(
     cfg: RLConfig,
     method: ProximalMethod,
     ranks: Ranks = Ranks(),
+    ppo: PPOParts = PPOParts(),
 ) -> dict[str, float]:
     """One policy update on one (possibly stale) batch; returns the step's metrics.
 
     ``optimizer`` is a torch optimizer (one process) or an :class:`a3po.distributed.Updater`;
     under data parallelism every rank holds the whole batch and trains on its shard of each
-    minibatch, and the metrics are those of the whole minibatch on every rank."""
+    minibatch, and the metrics are those of the whole minibatch on every rank. ``ppo`` holds the
+    reward model, reference and critic when the config uses them (see :mod:`a3po.ppo`)."""
     updater = LocalUpdater(policy, optimizer, cfg.grad_clip) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     t_start = time.perf_counter()
     batch, rewards = scored.rollout, scored.rewards
     ids, attn, resp = batch.input_ids, batch.attention_mask, batch.response_mask
     n, device = len(batch), ids.device
 
-    # 1. Advantages: one per sequence, normalised within each prompt's group.
+    # 1. Rewards -> KL penalty against the reference -> critic values -> per-token advantages
+    #    (N, L). GRPO: grader scores, no KL, no values, one advantage per sequence broadcast.
+    scores, ppo_metrics = ppo.scores(batch, rewards)
+    kl, kl_metrics = ppo.kl(batch)
+    estimator = ADVANTAGE_ESTIMATORS.get(cfg.advantage)
+    values = ppo.values(batch) if estimator.needs_values else None
     group_ids = torch.tensor([m["group"] for m in batch.meta], device=device)
-    adv = ADVANTAGE_ESTIMATORS.get(cfg.advantage)(rewards, group_ids)
+    est = estimator(AdvantageInputs(token_rewards(scores, resp, kl, ppo.cfg.kl_coef), resp, group_ids, values, ppo.cfg.gamma, ppo.cfg.lam))
+    adv = est.advantages
+    ppo_metrics.update(kl_metrics)
+    if values is not None:
+        ppo_metrics.update(_value_metrics(values, est.returns, resp))
 
     # 2. Staleness of every generated token: trainer version minus the version that sampled it.
     staleness = torch.where(resp, version - batch.versions, torch.full_like(batch.versions, -1))
@@ -124,6 +138,8 @@ def train_step(
             )
         step_metrics.append({**loss_metrics, **prox_metrics, "policy/grad_norm": grad_norm})
         step_tokens.append(tokens)
+        if est.returns is not None:  # the critic learns the returns on the same minibatch
+            step_metrics[-1].update(ppo.update_critic(batch, rows, values, est.returns, cfg.grad_clip))
         entropy_sum += ent[resp[mb]].sum().item()
         entropy_n += int(resp[mb].sum())
     policy.eval()
@@ -147,6 +163,7 @@ def train_step(
             "response/length_mean": n_tokens / n,
             "response/truncated_frac": 1.0 - batch.finished.float().mean().item(),
             **{f"grader/{k}": float(v) for k, v in scored.grader.items()},
+            **ppo_metrics,
         }
     )
     return metrics
@@ -159,6 +176,14 @@ def _latency_breakdown(generate_s: float, train_s: float, idle_s: float) -> dict
     period = max(train_s + idle_s, 1e-9)
     return {"perf/generate_s": generate_s, "perf/train_s": train_s, "perf/idle_s": idle_s,
             "perf/trainer_busy_frac": train_s / period, "perf/generator_busy_frac": generate_s / period}
+def _value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The critic's figures when the batch is scored (before this step's value updates)."""
+    m = mask.bool()
+    return {
+        "ppo/value_mean": values[m].mean().item() if m.any() else 0.0,
+        "ppo/return_mean": returns[m].mean().item() if m.any() else 0.0,
+        "ppo/explained_variance": explained_variance(values, returns, mask),
+    }
 
 
 def save_rank_checkpoint(
@@ -254,6 +279,9 @@ def rl_train(
         nan = float("nan")
         return TrainResult(rl.variant.value, rl.seed, nan, nan, rl.steps, time.perf_counter() - t_run)
 
+    # The reference is the policy as it is now (the warm start), so build before a checkpoint loads.
+    ppo = build_ppo_parts(cfg.ppo, policy, rl.temperature)
+
     skipped: list[str] = []
     found = load_latest_checkpoint(ckpt_dir, on_skip=skipped.append) if ckpt_dir else None
     ckpt, state = found if found is not None else (None, None)
@@ -268,6 +296,7 @@ def rl_train(
     updater = make_updater(policy, rl, cfg.distributed.deepspeed_config, ranks)
     if state is not None:
         updater.load_optimizer_state(state["optimizer"])
+        ppo.load_state(state)
         for v, w in sorted(state["weights_history"].items()):
             store.publish(v, w)
         start = resumed_from = state["step"]
@@ -299,7 +328,7 @@ def rl_train(
             if scored.index != step:
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
             updater.set_lr(learning_rate(rl, step))
-            metrics = train_step(updater.model, updater, scored, step, rl, method, ranks)
+            metrics = train_step(updater.model, updater, scored, step, rl, method, ranks, ppo)
             store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
@@ -330,6 +359,7 @@ def rl_train(
                         "warmstart_acc": warmstart_acc,
                         "config": config_to_dict(cfg),
                         **({"oppo_state": producer_state} if cfg.oppo.inter else {}),
+                        **ppo.state(),
                     },
                     keep=rl.keep_checkpoints,
                 )

@@ -166,8 +166,8 @@ def test_invalid_minibatches_from_yaml(tmp_path):
 def test_unknown_proximal_and_advantage_names_list_the_valid_ones():
     with pytest.raises(KeyError, match="unknown proximal method 'exact'; valid: behaviour, loglinear, metrics, recompute"):
         RLConfig(proximal="exact")
-    with pytest.raises(KeyError, match="unknown advantage estimator 'gae'; valid: dr_grpo, grpo"):
-        RLConfig(advantage="gae")
+    with pytest.raises(KeyError, match="unknown advantage estimator 'vtrace'; valid: dr_grpo, gae, grpo"):
+        RLConfig(advantage="vtrace")
 
 
 def test_registry_duplicate_name_raises_and_unknown_lists_valid():

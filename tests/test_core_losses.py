@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, mean_centered_advantages
+from a3po.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, grpo_advantages, mean_centered_advantages
 from a3po.checks import NonFiniteError
 from a3po.losses import decoupled_ppo_loss
 
@@ -202,7 +202,7 @@ def test_grpo_hand_computed_groups():
     adv = grpo_advantages(rewards, groups)
     assert adv.tolist() == pytest.approx(expected, abs=1e-6)
     assert adv[[1, 4, 9]].tolist() == [0.0, 0.0, 0.0]
-    assert ADVANTAGE_ESTIMATORS.get("grpo") is grpo_advantages
+    assert ADVANTAGE_ESTIMATORS.get("grpo").fn is grpo_advantages  # lifted to per-token by SequenceLevel
 
 
 def test_constant_reward_group_gives_exact_zeros():
@@ -222,4 +222,6 @@ def test_dr_grpo_is_mean_centered_without_std():
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_rewards_raise_naming_rewards(name, bad):
     with pytest.raises(NonFiniteError, match="^rewards .*index \\(2,\\)"):
-        ADVANTAGE_ESTIMATORS.get(name)(torch.tensor([1.0, 0.0, bad]), torch.tensor([0, 0, 0]))
+        ADVANTAGE_ESTIMATORS.get(name)(
+            AdvantageInputs(torch.tensor([[1.0], [0.0], [bad]]), torch.ones(3, 1, dtype=torch.bool), torch.tensor([0, 0, 0]))
+        )

@@ -109,7 +109,8 @@ def test_range_and_name_errors_carry_the_file(tmp_path):
     cases = [
         ("rl: {lr: -1}", r"rl\.lr must be > 0"),
         ("data: {on_bad_row: ignore}", r"data\.on_bad_row must be 'error' or 'skip', got 'ignore'"),
-        ("rl: {advantage: gae}", r"rl\.advantage: unknown advantage estimator 'gae'; valid: dr_grpo, grpo"),
+        ("rl: {advantage: vtrace}", r"rl\.advantage: unknown advantage estimator 'vtrace'; valid: dr_grpo, gae, grpo"),
+        ("rl: {advantage: gae}", r"rl\.advantage 'gae' needs critic values: set ppo\.critic"),
         ("rl: {batch_prompts: 4, group_size: 2, minibatches: 3}", r"rl\.minibatches must divide"),
     ]
     for i, (text, pattern) in enumerate(cases):

@@ -28,16 +28,17 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect
 
 import pytest
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages
+from a3po.advantages import ADVANTAGE_ESTIMATORS, SequenceLevel, grpo_advantages
 from a3po.arithmetic import ITEMS, NAMES, PRONOUN, PROMPT_FORMAT, TEMPLATES
 
 PLANTED = "planted_negated"
 if PLANTED not in ADVANTAGE_ESTIMATORS:
 
-    @ADVANTAGE_ESTIMATORS.register(PLANTED)
     def planted_negated(rewards, group_ids):
         """A deliberately broken estimator: the negated GRPO advantage."""
         return -grpo_advantages(rewards, group_ids)
+
+    ADVANTAGE_ESTIMATORS.register(PLANTED)(SequenceLevel(planted_negated))
 
 
 SETTING = {
