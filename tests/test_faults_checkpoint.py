@@ -33,6 +33,7 @@ from a3po.cli import main as cli_main
 from a3po.config import preset, with_overrides
 from a3po.metrics import JsonlLogger, read_metrics_jsonl
 from a3po.pipeline import prepare_warmstart, train_variant
+from a3po.runlock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -63,7 +64,9 @@ def _without_timing(rows: list[dict]) -> list[dict]:
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file of the run folder but the run lock's record (a3po.runlock), which a refused
+    run may create: what must stay untouched is the run's data."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 @pytest.fixture(scope="module")
