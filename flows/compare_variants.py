@@ -24,6 +24,7 @@ figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -37,17 +38,18 @@ import yaml
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
-from a3po.config import PRESETS, ConfigError, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
+from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
 from a3po.devices import Device, DType
 from a3po.launch import LaunchMode, LaunchSpec, launch_spec
 from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
-from tasks.evaluation import BENCHMARKS, evaluate_checkpoint
+from tasks.evaluation import BENCHMARKS
 from tasks.links import RunLinks, tag_run_links
 from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
-from tasks.tracking import TrackingRef, close_parent_run, log_evaluation, log_to_parent, open_parent_run
-from tasks.training import run_dir_for, topology_tags, train_launched, train_variant, warm_start, warmstart_ready
+from tasks.tracking import TrackingRef, close_parent_run, log_to_parent, open_parent_run
+from tasks.training import launch_for_config, run_dir_for, topology_tags, warm_start, warmstart_ready
+from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 
 DEFAULT_VARIANTS = [v.value for v in Variant]  # sync, recompute, loglinear
 
@@ -114,25 +116,29 @@ def run_comparison(
     bench_max_new_tokens: int,
     system_metrics_interval_s: float,
     launch: LaunchSpec | None = None,
+    fanout_deployment: str | None = None,
 ) -> list[dict[str, Any]]:
     """The comparison body shared by the flows: one record per variant x seed. ``launch`` (not
-    local): each training runs as ranks of ``python -m a3po.cli train`` (tasks.training.train_launched)."""
+    local): each training runs as ranks of ``python -m a3po.cli train`` (tasks.training.train_launched).
+    ``fanout_deployment``: each variant x seed runs as a run of that ``train-one`` deployment,
+    all submitted at once, on the workers of its pool (flows.train_one); else here, in turn."""
     # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
     data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
     base = with_prepared_data(base, data)
     ws = warm_start.with_options(refresh_cache=not warmstart_ready(base, cache_dir))(base, str(cache_dir))
     get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
-    records = []
-    for variant in variants:
-        for seed in seeds:
-            cfg = variant_config(base, variant, seed, variant_overrides)
-            if launch is None or launch.mode is LaunchMode.LOCAL:
-                run = train_variant(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, system_metrics_interval_s)
-            else:
-                run = train_launched(cfg, str(run_dir_for(output_dir, cfg)), ws, tracking, launch)
-            ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))
-            log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
-            records.append({**run.as_dict(), "evaluation": ev, "warmstart": {"dir": ws.dir, "heldout_acc": ws.heldout_acc, "seconds": ws.seconds}})
+    jobs = [(cfg, str(run_dir_for(output_dir, cfg))) for cfg in
+            (variant_config(base, variant, seed, variant_overrides) for variant in variants for seed in seeds)]
+    if fanout_deployment:
+        return fan_out(fanout_deployment, [
+            (f"{cfg.rl.variant.value} seed {cfg.rl.seed}", run_dir, dict(
+                config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
+                tracking=dataclasses.asdict(tracking), benchmarks=benchmarks, data_dir=data_dir, bench_limit=bench_limit,
+                bench_max_new_tokens=bench_max_new_tokens, system_metrics_interval_s=system_metrics_interval_s,
+                launch=spec_to_dict(launch or LaunchSpec())))
+            for cfg, run_dir in jobs])
+    records = [train_and_evaluate(cfg, run_dir, ws, tracking, launch, benchmarks, data_dir, bench_limit,
+                                  bench_max_new_tokens, system_metrics_interval_s) for cfg, run_dir in jobs]
     return records
 
 
@@ -175,6 +181,7 @@ def compare_variants(
     torch_threads: int | None = None,
     system_metrics_interval_s: float = 10.0,
     launch: str | dict[str, Any] = "local",
+    fanout_deployment: str | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate ``variants`` x ``seeds`` from one warm start; compare them.
 
@@ -196,10 +203,15 @@ def compare_variants(
     launch: "local" (in-process, the default) or a LaunchSpec as a dict, e.g. ``{"mode":
     "torchrun", "nproc_per_node": 2}``: each training then runs ``python -m a3po.cli train`` as
     launched ranks (a3po.launch; docs/distributed.md); the topology is recorded on the runs.
+    fanout_deployment: e.g. "train-one/train-one" (infra/prefect.yaml): each variant x seed runs
+    as a run of that deployment on its pool's workers, in parallel (flows.train_one; needs a real
+    Prefect server, an output dir every worker sees, and an MLflow store each can reach); the
+    data and the warm start are prepared here once. None (default): in this process, in turn.
     """
     t0 = time.perf_counter()
     spec = launch_spec(launch)  # raises naming the field, before anything runs
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
+    spec = launch_for_config(spec, base)  # the ZeRO stage the ranks will run, for the record
     for v in variants:
         Variant(v)  # raises on an unknown name
     out = output_folder(preset, output_dir)
@@ -211,11 +223,12 @@ def compare_variants(
     with hold_run_folder(out, log=get_run_logger().warning):  # one writer per output folder, for the whole flow run
         launch_tags, launch_param = launch_params(spec)
         ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
-                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)), **launch_tags},
+                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)),
+                               "a3po.fanout": fanout_deployment or "none", **launch_tags},
                               {**parent_params(base, **flow_values), **launch_param})
         try:
             records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
-                                     bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec)
+                                     bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec, fanout_deployment)
             links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
             summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
             log_to_parent(ref, summary["metrics"], summary["artifacts"])
@@ -335,6 +348,9 @@ def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.Arg
     ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="config dtype (default: the config's, float32)")
     ap.add_argument("--system-metrics-interval", type=float, default=10.0, help="seconds between MLflow system-metric samples")
     add_launch_args(ap)
+    ap.add_argument("--fanout-deployment", default=None, metavar="FLOW/DEPLOYMENT",
+                    help="e.g. train-one/train-one: run each variant x seed as a run of this deployment on its work pool's "
+                         "workers, in parallel (needs PREFECT_API_URL; docs/distributed.md); default: in this process")
     return ap
 
 
@@ -354,7 +370,7 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpus", type=int, help="deepspeed: ranks (GPUs) per host")
     g.add_argument("--launch-include", help="deepspeed: resource filter, e.g. 'node-0@node-1:0,2'")
     g.add_argument("--launch-devices", choices=["cpu", "cuda"], help="device kind the ranks use (recorded; cpu sets DS_ACCELERATOR=cpu)")
-    g.add_argument("--zero-stage", type=int, help="ZeRO stage of the DeepSpeed config the ranks use (recorded)")
+    g.add_argument("--zero-stage", type=int, help="ZeRO stage of the DeepSpeed config the ranks use (default: read from distributed.deepspeed_config; a different value is an error)")
 
 
 def launch_from_args(args: argparse.Namespace) -> str | dict[str, Any]:
@@ -385,7 +401,7 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         data_dir=args.data_dir, tracking_uri=args.tracking_uri or default_tracking_uri(), experiment=args.experiment,
         output_dir=args.output_dir, cache_dir=args.cache_dir, target_fraction=args.target_fraction,
         torch_threads=args.torch_threads, system_metrics_interval_s=args.system_metrics_interval,
-        launch=launch_from_args(args),
+        launch=launch_from_args(args), fanout_deployment=args.fanout_deployment,
     )
 
 
@@ -396,6 +412,7 @@ def check_configs(kwargs: dict[str, Any]) -> None:
     base = build_config(**{k: kwargs[k] for k in keys})
     for variant in kwargs["variants"]:
         variant_config(base, variant, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
+    launch_for_config(launch_spec(kwargs["launch"]), base)  # e.g. 2 ranks without a DeepSpeed config
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_variants") -> int:
@@ -403,8 +420,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_var
     kwargs = kwargs_from_args(args)
     try:
         check_configs(kwargs)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError, or a launch that does not fit the config
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if kwargs["fanout_deployment"] and not os.environ.get("PREFECT_API_URL"):
+        print("error: --fanout-deployment needs a Prefect server with workers: set PREFECT_API_URL (infra/start_prefect_server.sh)", file=sys.stderr)
         return 2
     try:  # refused here, before the Prefect server starts, when another run writes the folder
         with hold_run_folder(output_folder(args.preset, args.output_dir)), prefect_api() as api:

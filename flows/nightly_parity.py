@@ -41,6 +41,7 @@ from tasks.links import RunLinks, tag_run_links
 from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import close_parent_run, log_to_parent, open_parent_run
+from tasks.training import launch_for_config
 
 
 class ParityRegression(RuntimeError):
@@ -105,6 +106,7 @@ def nightly_parity(
     variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
     spec = launch_spec(launch)
     base = build_config(preset, config, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
+    spec = launch_for_config(spec, base)  # the ZeRO stage the ranks will run, for the record
     out = output_folder(output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()

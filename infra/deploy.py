@@ -6,6 +6,7 @@
     python infra/deploy.py compare-variants --param config='"my.yaml"' --param 'seeds=[0,1,2]' --cron '0 4 * * 1'
     python infra/deploy.py compare-variants --serve              # serve it from this process (no worker)
     python infra/deploy.py compare-variants --run-now --param preset='"micro"'   # plus one run now
+    python infra/deploy.py train-one                             # fan-out target (no schedule): pool a3po-train
 
 The deployments are defined once, in ``infra/prefect.yaml`` (entrypoint, cron, timezone, tags,
 parameters, work pool); this script registers one of them as written there, with ``--param``
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
     schedule = (spec.get("schedules") or [{}])[0]
     name = args.name or spec["name"]
     pool = args.pool or spec["work_pool"]["name"]
-    cron = args.cron or schedule["cron"]
+    cron = args.cron or schedule.get("cron")  # None: run on demand only (train-one, the fan-out target)
     timezone = args.timezone or schedule.get("timezone", "UTC")
     params = {**(spec.get("parameters") or {}), **dict(_param(p) for p in args.param)}
     tags = list(spec.get("tags") or [])
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
     deployment_id = remote.deploy(
         name=name,
         work_pool_name=pool,
-        schedule=Cron(cron, timezone=timezone),
+        schedule=Cron(cron, timezone=timezone) if cron else None,
         parameters=params,
         description=spec.get("description"),
         tags=tags,
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
         dep = client.read_deployment(deployment_id)
         crons = [s.schedule.cron for s in dep.schedules]
     full_name = f"{remote.name}/{name}"
-    print(f"deployment {full_name} ({deployment_id}) on pool {pool}, cron {crons} {timezone}, parameters {json.dumps(params)}")
+    print(f"deployment {full_name} ({deployment_id}) on pool {pool}, cron {crons or 'none (on demand)'} {timezone}, parameters {json.dumps(params)}")
     run_id = None
     if args.run_now:
         run = run_deployment(full_name, parameters=params, timeout=0)

@@ -18,6 +18,7 @@ delivers them to MLflow when it can (see :class:`tasks.tracking.MlflowMetricLogg
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import socket
@@ -256,6 +257,25 @@ def launched_argv(cfg: TrainConfig, run_dir: str | Path) -> list[str]:
 
 def topology_tags(topology: dict[str, Any]) -> dict[str, str]:
     return {f"a3po.launch.{k}": str(v) for k, v in topology.items()}
+
+
+def launch_for_config(spec: LaunchSpec, cfg: TrainConfig) -> LaunchSpec:
+    """``spec`` with the ZeRO stage of the config's DeepSpeed JSON, so the recorded topology is
+    what the ranks run. Raises when the two disagree, or when several ranks would train without
+    a DeepSpeed config (the ranks would refuse it after their start-up; this fails before)."""
+    from a3po.distributed import read_deepspeed_json, zero_stage
+
+    ds = cfg.distributed.deepspeed_config
+    stage = zero_stage(read_deepspeed_json(ds, cfg.rl.grad_clip)) if ds else None
+    if spec.zero_stage is not None and spec.zero_stage != stage:
+        has = f"{ds} is ZeRO stage {stage}" if ds else "null (no DeepSpeed)"
+        raise ValueError(f"launch.zero_stage = {spec.zero_stage} but distributed.deepspeed_config {has}; "
+                         "leave launch.zero_stage out: it is read from the config")
+    world = spec.topology()["world_size"]
+    if ds is None and (world is None or world > 1):
+        raise ValueError(f"launch: {world or 'several'} ranks need distributed.deepspeed_config (e.g. "
+                         "--set distributed.deepspeed_config=infra/deepspeed_zero2.json); without it each rank would train its own copy")
+    return dataclasses.replace(spec, zero_stage=stage)
 
 
 @task(cache_policy=NO_CACHE)
