@@ -44,13 +44,14 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype):
     return model, None, model.config.eos_token_id, model.config.pad_token_id
 
 
-def make_engine(name: str, model, tokenizer, eos: int, pad: int, max_len: int, dtype: str):
+def make_engine(name: str, model, tokenizer, eos: int, pad: int, max_len: int, dtype: str, batch: int):
     if name == "torch":
         return RolloutEngine(model, eos, pad)
     from a3po.engines.vllm_engine import VllmEngine
 
     return VllmEngine.from_policy(model, tokenizer, clone_state(model), 0, work_dir=tempfile.mkdtemp(prefix="a3po-bench-vllm-"),
-                                  max_model_len=max_len, dtype=dtype, seed=0, eos_token_id=eos, pad_token_id=pad)
+                                  max_model_len=max_len, dtype=dtype, seed=0, eos_token_id=eos, pad_token_id=pad,
+                                  max_batch=batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in engines:
         t0 = time.perf_counter()
-        engine = make_engine(name, model, tok, eos, pad, max_len, dtype.value)
+        engine = make_engine(name, model, tok, eos, pad, max_len, dtype.value, args.batch)
         startup = time.perf_counter() - t0
         try:
             engine.generate_batch(prompts, params, seed=10_000)  # untimed: lazy initialisation

