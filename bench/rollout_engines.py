@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.config.vocab_size
     # The same prompts for every engine: random ids of the model's ordinary vocabulary (not EOS or padding).
     g = torch.Generator().manual_seed(0)
-    low = 4 if tok is not None else 0  # the in-code tokenizer's special tokens come first
-    prompts = torch.randint(low, min(eos, pad), (args.batch, args.prompt_len), generator=g).tolist()
+    # The in-code tokenizer's special tokens are its first ids; the random Qwen2's are its last two.
+    low, high = (max(eos, pad) + 1, vocab) if tok is not None else (0, min(eos, pad))
+    prompts = torch.randint(low, high, (args.batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(args.max_new_tokens, temperature=args.temperature)
     max_len = args.prompt_len + args.max_new_tokens
     print(f"model {args.size}: {count_parameters(model) / 1e6:.1f}M parameters, vocab {vocab}, {device.type} {dtype.value}; "

