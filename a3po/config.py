@@ -299,6 +299,51 @@ class DistributedConfig:
             raise ValueError(f"distributed.deepspeed_config is set but DeepSpeed is not installed: {INSTALL_HINT}")
 
 
+WEIGHT_UPDATES = ("decode_step", "batch")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The engine that samples rollouts (see ``a3po.engines``)."""
+
+    engine: str = "torch"
+    """'torch' (plain torch + transformers in the trainer's process) or 'vllm' (``vllm.LLM``
+    in-process; needs the ``gpu`` extra, or ``infra/install_vllm_cpu.sh`` on a CPU machine)."""
+    weight_updates: str | None = None
+    """When new weights reach the engine: 'decode_step' (also between decode steps of a batch: the
+    deterministic schedule's halfway switch; torch only) or 'batch' (only between batches: batch
+    ``j`` wholly on version ``max(0, j - s)``, another trajectory). null: the finest the engine does."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take on CUDA (the trainer shares the device)."""
+
+    def __post_init__(self) -> None:
+        from a3po.engines import ROLLOUT_ENGINES
+
+        try:
+            spec = ROLLOUT_ENGINES.get(self.engine)
+        except KeyError as e:
+            raise KeyError(f"rollout.engine: {e.args[0]}") from None
+        if self.weight_updates is not None and self.weight_updates not in WEIGHT_UPDATES:
+            raise ValueError(f"rollout.weight_updates must be one of {list(WEIGHT_UPDATES)} or null, got {self.weight_updates!r}")
+        if self.weight_updates == "decode_step" and not spec.mid_batch_updates:
+            raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
+                             "batches; use 'batch' (or null)")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        why = spec.missing()
+        if why is not None:
+            raise ValueError(f"rollout.engine {self.engine!r}: {why}")
+
+
+def mid_batch_updates(rollout: RolloutConfig) -> bool:
+    """Whether the producer may swap weights between decode steps (derived, never written back)."""
+    from a3po.engines import ROLLOUT_ENGINES
+
+    if rollout.weight_updates is None:
+        return ROLLOUT_ENGINES.get(rollout.engine).mid_batch_updates
+    return rollout.weight_updates == "decode_step"
+
+
 @dataclass(frozen=True)
 class OppoConfig:
     """OPPO's two overlaps (docs/oppo.md), each on or off whatever the variant. Off (the
@@ -353,6 +398,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     oppo: OppoConfig = field(default_factory=OppoConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     output_dir: str = "runs/default"
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
@@ -373,6 +419,11 @@ class TrainConfig:
             # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
             raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
                              "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
+        if self.rollout.engine != "torch" and (self.oppo.inter or self.distributed.rollout_workers):
+            # Carry-over resumes partial sequences token by token, and rollout workers build the torch
+            # engine's producer: neither is wired to another engine yet.
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter or distributed.rollout_workers is not "
+                             "supported yet: use rollout.engine torch there")
         if self.oppo.inter and self.distributed.rollout_workers:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
@@ -389,6 +440,9 @@ class TrainConfig:
             raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
         if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
             raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
+            if self.rollout.engine != "torch":
+                raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
+                                 "rank would start its own engine; data-parallel ranks use the torch engine")
 
 
 class ConfigError(ValueError):

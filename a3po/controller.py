@@ -11,6 +11,12 @@ trainer consumes them, with a bound on how stale a sample may be.
   ``max(0, j - s)`` and switches to ``j - s + 1`` halfway through decoding, the point where the
   trainer finishes its concurrent step in the steady state. Runs are then reproducible bit for
   bit, and a run resumed from a checkpoint equals an uninterrupted one.
+* With ``mid_batch_updates=False`` (``rollout.weight_updates: batch``, the only mode of engines
+  such as vLLM that cannot swap weights inside a batch) weights change only between batches:
+  ``deterministic`` runs batch ``j`` on version ``max(0, j - s)`` from its first token to its
+  last (so from step ``s`` on every token is ``s`` versions stale, where the mid-batch switch
+  makes half of them ``s - 1``: another trajectory than the default), ``threaded`` loads the
+  newest version when a batch starts.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from typing import Callable
 
 import torch
 
-from a3po.devices import model_device, sampling_generator
+from a3po.engines import Engine
 from a3po.prompts import PromptStyle
 from a3po.rewards import grader_counts
-from a3po.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from a3po.rollout import RolloutBatch, SamplingParams
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -152,7 +158,7 @@ class RolloutProducer(threading.Thread):
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: Engine,
         store: WeightStore,
         admission: Admission,
         sampler: PromptSampler,
@@ -165,8 +171,13 @@ class RolloutProducer(threading.Thread):
         start: int = 0,
         stride: int = 1,
         end: int | None = None,
+        mid_batch_updates: bool = True,
+        check: Callable[[RolloutBatch], dict[str, float]] | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
+        if mid_batch_updates and not engine.mid_batch_updates:
+            raise ValueError(f"{type(engine).__name__} cannot swap weights inside a batch; use mid_batch_updates=False")
+        self.mid_batch_updates, self.check = mid_batch_updates, check
         self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
         self.params, self.score, self.decode = params, score, decode
         self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
@@ -176,8 +187,7 @@ class RolloutProducer(threading.Thread):
 
     def _load(self, version: int) -> None:
         if version != self.engine.version:
-            self.engine.model.load_state_dict(self.store.get(version))
-            self.engine.version = version
+            self.engine.load_weights(self.store.get(version), version)
 
     def _between_steps(self, j: int) -> Callable[[int], int | None]:
         if self.schedule == "deterministic":
@@ -205,14 +215,15 @@ class RolloutProducer(threading.Thread):
         self.admission.admit_batch(j, len(prompts))
         self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
         t0 = time.perf_counter()
-        gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
-        rollout = self.engine.generate(prompts, self.params, generator=gen, between_steps=self._between_steps(j), meta=meta)
+        hook = self._between_steps(j) if self.mid_batch_updates else None
+        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta)
         completions = [self.decode(r) for r in rollout.responses]
         t1 = time.perf_counter()
         with grader_counts() as grader:
             rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
         t2 = time.perf_counter()
-        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1})
+        checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks})
 
     def run(self) -> None:
         try:
@@ -228,6 +239,10 @@ class RolloutProducer(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.store.close()
+
+    def close(self) -> None:
+        """Release the engine (after ``stop`` and ``join``; a vLLM engine holds a process and memory)."""
+        self.engine.close()
 
     def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
         item = self.out.get(timeout=timeout)

@@ -165,7 +165,7 @@ def receive_batch(src: int, group: Any, device: torch.device) -> ScoredBatch | s
 
 class RemoteRollouts:
     """The trainer's producer when rollout workers generate: the interface of
-    :class:`a3po.controller.RolloutProducer` (``start``, ``next_batch``, ``stop``, ``join``).
+    :class:`a3po.controller.RolloutProducer` (``start``, ``next_batch``, ``stop``, ``join``, ``close``).
     A pusher thread broadcasts every version published to ``store``; a receiver thread collects
     batches ``start .. rl.steps - 1`` in order, batch ``j`` from worker ``j mod N``."""
 
@@ -245,13 +245,16 @@ class RemoteRollouts:
     def is_alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
+    def close(self) -> None:
+        """Nothing to release here: each worker closes its own engine."""
+
 
 # --- a worker's side -----------------------------------------------------------------------------
 
 
 def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
-    sent. ``inp.policy`` (the warm start, as the trainer loaded it) becomes the engine."""
+    sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
     weights_group, samples_group = rollout_groups(ranks)
     hello = _broadcast_json(None, weights_group)
     layout = state_layout(inp.policy.state_dict())
@@ -265,7 +268,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
         store.publish(*_receive_version(layout, device, weights_group))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
     first = hello["start"] + (k - hello["start"]) % n
-    producer = local_producer(inp, inp.policy, store, first, stride=n, end=hello["end"])
+    producer = local_producer(inp, store, first, stride=n, end=hello["end"])
 
     def receive_weights() -> None:
         try:

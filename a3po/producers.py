@@ -15,14 +15,16 @@ from typing import Callable, Protocol
 
 import torch
 
-from a3po.config import DistributedConfig, TrainConfig, effective_max_staleness
+from a3po.config import DistributedConfig, TrainConfig, effective_max_staleness, mid_batch_updates, proximal_method_name
 from a3po.controller import Admission, PromptSampler, RolloutProducer, ScoredBatch, WeightStore
 from a3po.data import prompt_style
-from a3po.devices import model_device, model_dtype
 from a3po.distributed import Ranks
+from a3po.engines import build_engine
+from a3po.engines.mismatch import BehaviourCheck
 from a3po.overcommit import DeltaController, OverlapProducer
 from a3po.registry import Registry
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.proximal import PROXIMAL_METHODS
+from a3po.rollout import SamplingParams
 
 
 class Producer(Protocol):
@@ -35,6 +37,8 @@ class Producer(Protocol):
     def stop(self) -> None: ...
 
     def join(self, timeout: float | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,14 @@ class RolloutInputs:
 
 
 def local_producer(
-    inp: RolloutInputs, engine_model: torch.nn.Module, store: WeightStore, start: int, stride: int = 1, end: int | None = None
+    inp: RolloutInputs, store: WeightStore, start: int, stride: int = 1, end: int | None = None, check: Callable | None = None
 ) -> RolloutProducer:
-    """A producer thread (with OPPO's carry-over when ``oppo.inter``) sampling from ``engine_model``, which starts on the store's newest
-    weights; the same construction in a trainer process and in a rollout worker."""
+    """A producer thread (with OPPO's carry-over when ``oppo.inter``) sampling from the engine
+    ``rollout.engine`` names, which starts on the store's newest weights; the same construction
+    in a trainer process and in a rollout worker. ``check(rollout)``: extra per-batch figures."""
     rl, tok = inp.cfg.rl, inp.tokenizer
     s = effective_max_staleness(rl)
-    engine_model.load_state_dict(store.get(store.latest))
-    engine = RolloutEngine(engine_model.eval(), tok.eos_token_id, tok.pad_token_id, version=store.latest)
+    engine = build_engine(inp.policy, tok, store.get(store.latest), store.latest, inp.cfg)
     batch_size = rl.batch_prompts * rl.group_size
     # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
     oppo = inp.cfg.oppo
@@ -76,6 +80,8 @@ def local_producer(
         start=start,
         stride=stride,
         end=end,
+        mid_batch_updates=mid_batch_updates(inp.cfg.rollout),
+        check=check,
         **overlap,
     )
 
@@ -90,13 +96,9 @@ def placement_name(distributed: DistributedConfig) -> str:
 
 @ROLLOUT_PLACEMENTS.register("in_process")
 def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
-    # The producer samples from its own copy of the policy (the "inference engine"), on the
-    # policy's device and in its dtype; built in place: no CPU initialisation of a large model.
-    policy = inp.policy
-    with torch.device(model_device(policy)):
-        engine_model = type(policy)(policy.config)
-    engine_model.to(dtype=model_dtype(policy))
-    return local_producer(inp, engine_model, store, start)
+    # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward.
+    checks = PROXIMAL_METHODS.get(proximal_method_name(inp.cfg.rl)).checks_behaviour
+    return local_producer(inp, store, start, check=BehaviourCheck(inp.policy, store.get, inp.cfg.rl.temperature) if checks else None)
 
 
 @ROLLOUT_PLACEMENTS.register("workers")

@@ -8,7 +8,8 @@ obtained is the only thing the variants change:
 
 * ``recompute``: an extra no-grad forward pass of the current weights (exact, costs a forward).
 * ``loglinear`` (A-3PO): interpolate in log space between behaviour and target, no forward.
-* ``metrics``: train with ``recompute`` and report the loglinear approximation error.
+* ``metrics``: train with ``recompute`` and report the loglinear approximation error (and the
+  rollout engine's behaviour log-prob mismatch, see ``a3po.engines.mismatch``).
 
 Each method is registered by name in :data:`PROXIMAL_METHODS`; callers never branch on names.
 """
@@ -66,9 +67,12 @@ class ProxInputs:
 
 
 class ProximalMethod(Protocol):
-    """Returns ``(prox_logp, metrics)``. ``needs_forward`` says whether it runs the model."""
+    """Returns ``(prox_logp, metrics)``. ``needs_forward`` says whether it runs the model;
+    ``checks_behaviour`` whether the run should also re-score each rollout with the trainer's
+    forward to report the rollout engine's log-prob mismatch (``rollout/behav_logp_*``)."""
 
     needs_forward: bool
+    checks_behaviour: bool
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]: ...
 
@@ -91,6 +95,7 @@ def approximation_error(approx: torch.Tensor, exact: torch.Tensor, mask: torch.T
 
 class _Recompute:
     needs_forward = True
+    checks_behaviour = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return inp.recompute_logp().detach(), {}
@@ -116,15 +121,18 @@ def _loglinear_on_mask(inp: ProxInputs) -> torch.Tensor:
 
 class _LogLinear:
     needs_forward = False
+    checks_behaviour = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return _loglinear_on_mask(inp), {}
 
 
 class _Metrics:
-    """Train with the exact proximal log-probs; report how far loglinear would have been."""
+    """Train with the exact proximal log-probs; report how far loglinear would have been, and
+    how far the rollout engine's behaviour log-probs are from the trainer's."""
 
     needs_forward = True
+    checks_behaviour = True
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         exact = inp.recompute_logp().detach()
@@ -136,6 +144,7 @@ class _OnPolicy:
     """Synchronous PPO: samples come from the current weights, so behaviour == proximal."""
 
     needs_forward = False
+    checks_behaviour = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return inp.behav_logp.detach(), {}

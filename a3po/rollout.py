@@ -89,6 +89,28 @@ class RolloutEngine:
         self.pad_token_id = pad_token_id
         self.version = version
 
+    # --- the rollout-engine interface (a3po.engines): what the controller calls -----------------
+    mid_batch_updates = True  # between_steps may swap weights between decode steps
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(state)
+        self.version = version
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        between_steps: BetweenSteps | None = None,
+        meta: list[dict] | None = None,
+    ) -> RolloutBatch:
+        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device."""
+        gen = sampling_generator(model_device(self.model), seed)
+        return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta)
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's."""
+
     @torch.no_grad()
     def generate(
         self,

