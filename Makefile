@@ -6,7 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch must be installed first: a bare torch requirement pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev
+# DeepSpeed (the 'distributed' extra) is installed after the CPU torch so its trainer-rank tests run here too.
+EXTRAS ?= dev,distributed
 
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false

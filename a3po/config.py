@@ -206,7 +206,9 @@ class RLConfig:
 
 # Data fields added after cache keys were first published, with their defaults: left out of the
 # keys while at the default, so warm-start and dataset caches made before them keep their names.
-_DATA_FIELDS_KEYED_WHEN_SET = {"prompt_format": "auto", "instruction": "", "prompt_field": "prompt", "gold_field": "gold"}
+_DATA_FIELDS_KEYED_WHEN_SET = {"prompt_format": "auto", "instruction": "", "prompt_field": "prompt", "gold_field": "gold",
+                               "long_tail_frac": ArithmeticDifficulty.long_tail_frac,
+                               "long_tail_steps": ArithmeticDifficulty.long_tail_steps}
 
 
 def data_identity(data: DataConfig) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """OPPO's inter-step overlap against OPPO off, side by side in one run on the long-tailed workload.
 
-Same preset, seed and long-tailed embedded task (``data.long_tail_frac``), the GRPO path (the
-PPO path with reference / critic / reward model lives on another branch; intra-step overlap
-needs it, so only "off" and "inter" run here). Per setting: median step latency (trainer
+Same preset, seed and long-tailed embedded task (``data.long_tail_frac``), the GRPO path (intra-step
+overlap needs the PPO path's scorers wired into its trainer, not done yet, so only "off" and
+"inter" run here). Per setting: median step latency (trainer
 period = wait + train), trainer and generator busy fractions, reward mean. TRL's PPO trainer
 is not run yet (it needs its own environment with TRL 1.12).
 
