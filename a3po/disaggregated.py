@@ -12,9 +12,8 @@ Two gloo groups over {trainer, workers}, each used by one thread per process:
 * **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
   layout, the versions that follow at once: the checkpoint's history on resume), then every
   version the trainer publishes, in order: an int64 header ``[version]`` and the state dict as one
-  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. ZeRO-1/2 keep the full
-  weights on every rank and ZeRO-3 is refused (``a3po.distributed``), so nothing is gathered
-  from shards; and rollout workers come with one plain trainer rank anyway.
+  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. Rollout workers come
+  with one plain trainer rank (no DeepSpeed), so its weights are whole.
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
   log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import socket
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -34,7 +35,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 INSTALL_HINT = "pip install -e '.[distributed]'"
-SUPPORTED_ZERO_STAGES = (1, 2)
+SUPPORTED_ZERO_STAGES = (1, 2, 3)
 # Keys the trainer derives (from rl.*) or owns (optimizer, lr schedule): a JSON setting them would
 # silently disagree with the config, so it is refused.
 _DERIVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -69,12 +70,6 @@ def read_deepspeed_json(path: str | Path, grad_clip: float) -> dict[str, Any]:
     if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != float(grad_clip):
         raise ValueError(f"{p}: gradient_clipping {ds['gradient_clipping']} disagrees with rl.grad_clip {grad_clip}; remove it or make them equal")
     stage = zero_stage(ds)
-    if stage == 3:
-        raise ValueError(
-            f"{p}: ZeRO stage 3 is not supported: it partitions the parameters, and the rollout copy, "
-            "the held-out evaluation on rank 0 and the checkpoint read the full weights (they would need "
-            "deepspeed.zero.GatheredParameters); use stage 1 or 2"
-        )
     if stage not in SUPPORTED_ZERO_STAGES:
         raise ValueError(f"{p}: zero_optimization.stage must be one of {SUPPORTED_ZERO_STAGES}, got {stage!r}")
     if ds.get("fp16", {}).get("enabled"):
@@ -237,6 +232,12 @@ class Updater(Protocol):
     """One optimizer update per minibatch loss; ``model`` is what the forward passes call."""
 
     model: torch.nn.Module
+    partitioned: bool  # ZeRO-3: each rank holds a slice of every parameter, read them in full_weights()
+
+    def full_weights(self) -> AbstractContextManager:
+        """Inside it the policy's parameters hold the full weights on every rank (a collective
+        under ZeRO-3: every rank enters it; read-only)."""
+        ...
 
     def set_lr(self, lr: float) -> None: ...
 
@@ -256,6 +257,10 @@ class LocalUpdater:
 
     def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> None:
         self.model, self.optimizer, self.grad_clip = policy, optimizer, grad_clip
+        self.partitioned = False
+
+    def full_weights(self) -> AbstractContextManager:
+        return nullcontext()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -281,7 +286,12 @@ class LocalUpdater:
 
 
 class DeepSpeedUpdater:
-    """The policy and a torch AdamW wrapped by ``deepspeed.initialize`` (ZeRO stage 1 or 2)."""
+    """The policy and a torch AdamW wrapped by ``deepspeed.initialize`` (ZeRO stage 1, 2 or 3).
+
+    Under ZeRO-3 the policy's parameters are partitioned over the ranks (``deepspeed.initialize``
+    partitions the module's current weights, so a checkpoint's weights load before it): whatever
+    reads the full weights does so inside :meth:`full_weights`, and the ZeRO-3 optimizer keeps its
+    fp32 partitions outside the client AdamW's param groups (they are put there only during its step)."""
 
     def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int, grad_clip: float, ranks: Ranks) -> None:
         import deepspeed
@@ -302,6 +312,15 @@ class DeepSpeedUpdater:
         self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
         self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
         self.model = self.engine
+        self.partitioned = self.stage == 3
+
+    def full_weights(self) -> AbstractContextManager:
+        if not self.partitioned:
+            return nullcontext()
+        import deepspeed
+
+        # modifier_rank=None: read-only, every rank gathers; on exit the parameters are partitioned again.
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
 
     def set_lr(self, lr: float) -> None:
         # Under ZeRO the client AdamW steps this rank's flat fp32 partition; its groups carry the rate.
@@ -320,7 +339,7 @@ class DeepSpeedUpdater:
         parameters; under bf16 the module's weights are rounded copies of them), plain tensors,
         gathered to rank 0 so one atomic file holds the whole step. At scale each rank would
         write its own shard instead."""
-        mine = {"adamw": self._optimizer.state_dict(), "master": [p.detach().clone() for p in self._master()]}
+        mine = {"adamw": self._adamw_state(), "master": [p.detach().clone() for p in self._master()]}
         return {"world_size": self.ranks.world_size, "zero_stage": self.stage, "ranks": self.ranks.gather_to_main(mine)}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
@@ -332,13 +351,57 @@ class DeepSpeedUpdater:
                 f"{state['zero_stage']}; this run has {self.ranks.world_size} ranks at stage {self.stage}"
             )
         mine = state["ranks"][self.ranks.rank]
-        self._optimizer.load_state_dict(mine["adamw"])
+        master = self._master()
+        if len(master) != len(mine["master"]) or any(p.shape != s.shape for p, s in zip(master, mine["master"])):
+            raise ValueError(
+                f"rank {self.ranks.rank}'s optimizer partition in the checkpoint has shapes "
+                f"{[tuple(s.shape) for s in mine['master']]}, this run's {[tuple(p.shape) for p in master]}"
+            )
+        if self.partitioned:
+            adamw = mine["adamw"]
+            for group, saved in zip(self._optimizer.param_groups, adamw["groups"], strict=True):
+                group.update(saved)
+            for p, saved in zip(master, adamw["state"], strict=True):
+                self._optimizer.state[p] = {k: v.clone() for k, v in saved.items()}
+        else:
+            self._optimizer.load_state_dict(mine["adamw"])
         with torch.no_grad():
-            for p, saved in zip(self._master(), mine["master"], strict=True):
+            for p, saved in zip(master, mine["master"], strict=True):
                 p.copy_(saved)
+            if self.partitioned:
+                # The module's own partitions (ds_tensor views of these flats) follow the master
+                # weights; in fp32 on one device they are the same tensors and this is a no-op copy.
+                for flat, p in zip(self.engine.optimizer.fp16_partitioned_groups_flat, master, strict=True):
+                    if flat is not p:
+                        flat.copy_(p)
 
     def _master(self) -> list[torch.Tensor]:
+        if self.partitioned:  # one flat fp32 tensor per sub-group, this rank's slice of every parameter
+            return list(self.engine.optimizer.fp32_partitioned_groups_flat)
         return [p for group in self._optimizer.param_groups for p in group["params"]]
+
+    def _adamw_state(self) -> dict[str, Any]:
+        if not self.partitioned:
+            return self._optimizer.state_dict()
+        # ZeRO-3 empties the AdamW's param groups between steps (the state is keyed by the flats), so
+        # torch's state_dict cannot index it: the hyperparameters and per-flat state, in flat order.
+        return {
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups],
+            "state": [{k: v.detach().clone() for k, v in self._optimizer.state.get(p, {}).items()} for p in self._master()],
+        }
+
+
+def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor], into: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A module of the policy's class holding ``state``, outside DeepSpeed (reused when ``into``
+    is given): what rank 0 evaluates and exports while the policy itself is partitioned."""
+    from a3po.devices import model_device, model_dtype
+
+    if into is None:
+        with torch.device(model_device(policy)):
+            into = type(policy)(policy.config)
+        into.to(dtype=model_dtype(policy))
+    into.load_state_dict(state)
+    return into.eval()
 
 
 def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:

@@ -21,7 +21,7 @@ import torch
 from a3po.config import TrainConfig, data_identity
 from a3po.data import load_rows, prompt_style
 from a3po.devices import resolve_device
-from a3po.distributed import ranks_from_env
+from a3po.distributed import plain_model, ranks_from_env
 from a3po.evaluate import evaluate_heldout
 from a3po.metrics import MetricLogger
 from a3po.models import load_model, load_pretrained
@@ -108,6 +108,8 @@ def train_variant(
     )
     if not ranks_from_env().is_main:
         return result  # trainer ranks other than 0 write nothing
+    if result.final_weights is not None:  # the module is ZeRO-3 partitioned: export the gathered weights
+        model = plain_model(model, result.final_weights)
     save_pretrained_atomic(model, tokenizer, run_dir / "final")
     (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
     return result

@@ -22,7 +22,7 @@ from a3po.config import (RLConfig, TrainConfig, config_differences, config_to_di
                          proximal_method_name)
 from a3po.controller import ScoredBatch, WeightStore, clone_state
 from a3po.devices import synchronize
-from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater
+from a3po.distributed import LocalUpdater, Ranks, Updater, init_ranks, make_updater, plain_model
 from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
@@ -191,12 +191,15 @@ def save_rank_checkpoint(
     ckpt_dir: str, step: int, policy: torch.nn.Module, updater: Updater, ranks: Ranks, extra: dict, keep: int
 ) -> str | None:
     """Every rank calls this (the optimizer state is a collective under DeepSpeed); rank 0 alone
-    writes the step's one atomic file: the policy (ZeRO-1/2 keep full weights on every rank),
-    every rank's optimizer partition, and ``extra``. Returns the file on rank 0, None elsewhere."""
+    writes the step's one atomic file: the policy (ZeRO-1/2 keep full weights on every rank, ZeRO-3's
+    partitions are gathered), every rank's optimizer partition, and ``extra``. Returns the file on
+    rank 0, None elsewhere."""
     optimizer_state = updater.optimizer_state()
+    with updater.full_weights():  # every rank enters: a gather under ZeRO-3
+        policy_state = (clone_state(policy) if updater.partitioned else policy.state_dict()) if ranks.is_main else None
     if not ranks.is_main:
         return None
-    state = {"step": step, "policy": policy.state_dict(), "optimizer": optimizer_state, **extra}
+    state = {"step": step, "policy": policy_state, "optimizer": optimizer_state, **extra}
     return str(save_checkpoint(ckpt_dir, step, state, keep=keep))
 
 
@@ -223,6 +226,8 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)  # per-step metrics
     eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acc)
     checkpoint: str | None = None
+    # The final weights when the policy module is ZeRO-3 partitioned (export these, not the module).
+    final_weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     resumed_from: int | None = None
     checkpoints_skipped: list[str] = field(default_factory=list)  # damaged ones passed over at resume, and why
 
@@ -305,9 +310,20 @@ def rl_train(
         train_wall, warmstart_acc = state["train_wall_s"], state["warmstart_acc"]
     rewind_logger(logger, start, history)  # a file logger drops lines of steps after the checkpoint
     if store.latest < start:
-        store.publish(start, clone_state(policy))
+        with updater.full_weights():  # the rollout copy reads full weights (gathered under ZeRO-3)
+            store.publish(start, clone_state(policy))
+    eval_copy: list[torch.nn.Module] = []
+
+    def heldout() -> dict[str, float]:
+        """Rank 0 evaluates the newest weights; a ZeRO-3 policy through a plain copy of them (its
+        partitioned forward would wait for the other ranks' all-gathers)."""
+        if not updater.partitioned:
+            return evaluate_heldout(policy, tokenizer, heldout_rows, cfg)
+        eval_copy[:] = [plain_model(policy, store.get(store.latest), eval_copy[0] if eval_copy else None)]
+        return evaluate_heldout(eval_copy[0], tokenizer, heldout_rows, cfg)
+
     if warmstart_acc is None:
-        ws_eval = ranks.from_main(evaluate_heldout(policy, tokenizer, heldout_rows, cfg) if ranks.is_main else None)
+        ws_eval = ranks.from_main(heldout() if ranks.is_main else None)
         warmstart_acc = ws_eval["eval/heldout_acc"]
         logger.log_metrics(ws_eval, 0)
     if not eval_curve:
@@ -330,14 +346,15 @@ def rl_train(
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
             updater.set_lr(learning_rate(rl, step))
             metrics = train_step(updater.model, updater, scored, step, rl, method, ranks, ppo)
-            store.publish(step + 1, clone_state(policy))
+            with updater.full_weights():
+                store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
             metrics.update(scored.metrics)
             metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
             producer_state = scored.producer_state
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                held = ranks.from_main(evaluate_heldout(policy, tokenizer, heldout_rows, cfg) if ranks.is_main else None)
+                held = ranks.from_main(heldout() if ranks.is_main else None)
                 eval_curve.append((step + 1, held["eval/heldout_acc"]))
                 metrics.update(held)
             history.append(metrics)
@@ -382,4 +399,5 @@ def rl_train(
         checkpoint=last_ckpt,
         resumed_from=resumed_from,
         checkpoints_skipped=skipped,
+        final_weights=store.get(store.latest) if updater.partitioned else None,
     )

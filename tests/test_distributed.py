@@ -22,7 +22,8 @@ Over 8 steps x 2 minibatches these stay at float32 noise and no sampled token fl
 discrete figures (rewards, lengths, staleness, held-out accuracy) must be equal. Measured (ZeRO-2,
 this config): weights 4.1e-7 max abs apart at the end; worst metric 2.0e-6 relative
 (``policy/iw_p99``, a max-like figure that exponentiates log-prob noise), loss 4.1e-8 abs,
-``policy/approx_kl`` 9.7e-8 abs. The tolerance is ``1e-4 * |x| + 1e-6`` (50x the worst relative,
+``policy/approx_kl`` 9.7e-8 abs; ZeRO-3 with every parameter partitioned: weights 3.5e-7, loss
+8.6e-8 abs, worst metric ``stability/trust_ratio_max`` 3.3e-5 abs on 14.07 (2.4e-6 relative). The tolerance is ``1e-4 * |x| + 1e-6`` (50x the worst relative,
 10x the worst absolute figure); weights 1e-5 abs, 25x. Checked to fail for the right reason:
 without the world-size factor ``policy/grad_norm`` halves (0.96 vs 0.48 at step 2); with each
 rank normalising by its own token count the loss is 2.3e-4 off at step 2.
@@ -63,8 +64,22 @@ def _env() -> dict[str, str]:
     }
 
 
+def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
+    """The shipped JSON; for ZeRO-3 with every parameter partitioned: the micro model's are all
+    below the shipped ``stage3_param_persistence_threshold`` (1e5 elements), which would keep
+    them whole on every rank and leave nothing to gather."""
+    shipped = REPO_ROOT / f"infra/deepspeed_zero{zero_stage}.json"
+    if zero_stage != 3:
+        return shipped
+    ds = json.loads(shipped.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp / "deepspeed_zero3_partition_all.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
 def _config(tmp: Path, zero_stage: int | None, steps: int = STEPS) -> Path:
-    ds = f"distributed: {{deepspeed_config: {REPO_ROOT / f'infra/deepspeed_zero{zero_stage}.json'}}}\n" if zero_stage else ""
+    ds = f"distributed: {{deepspeed_config: {_deepspeed_json(tmp, zero_stage)}}}\n" if zero_stage else ""
     path = tmp / f"config-zero{zero_stage}-{steps}.yaml"
     path.write_text(
         "warm_start: {steps: 150, batch_size: 32}\n"
@@ -104,13 +119,14 @@ def _final_weights(run: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The single-process run and the uninterrupted 2-rank ZeRO-2 run, shared by the tests."""
+    """The single-process run and the uninterrupted 2-rank ZeRO-2 and ZeRO-3 runs, shared by the tests."""
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed (pip install -e '.[distributed]')")
     tmp = tmp_path_factory.mktemp("dist")
     return {
         "single": _train(_config(tmp, None), tmp / "single"),
         "zero2": _train(_config(tmp, 2), tmp / "zero2", nproc=2),
+        "zero3": _train(_config(tmp, 3), tmp / "zero3", nproc=2),
         "tmp": tmp,
     }
 
@@ -145,6 +161,19 @@ def test_two_rank_zero2_matches_single_process(runs):
 
 @needs_deepspeed
 @pytest.mark.slow
+def test_two_rank_zero3_matches_single_process(runs):
+    """ZeRO-3, every parameter partitioned: the rollout copy, the held-out evaluation and the
+    export read gathered weights (without the gather they are empty tensors and the run fails)."""
+    single, zero3 = runs["single"], runs["zero3"]
+    assert (zero3["world_size"], zero3["zero_stage"]) == (2, 3)
+    _assert_same_trajectory(single, zero3)
+    ws, w3 = _final_weights(single), _final_weights(zero3)
+    assert ws.keys() == w3.keys()
+    assert max(float((ws[k] - w3[k]).abs().max()) for k in ws) <= WEIGHTS_ATOL
+
+
+@needs_deepspeed
+@pytest.mark.slow
 def test_two_rank_zero1_matches_single_process_with_recomputed_proximal_logprobs(runs):
     """ZeRO-1, and the variant whose proximal log-probs take an extra forward of the whole batch."""
     tmp = runs["tmp"]
@@ -156,15 +185,16 @@ def test_two_rank_zero1_matches_single_process_with_recomputed_proximal_logprobs
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage):
     """SIGKILL of rank 1 once a checkpoint exists; the rerun ends equal to the uninterrupted run."""
     import psutil
     import torch
 
     from a3po.checkpoint import latest_checkpoint, load_checkpoint
 
-    tmp, out = runs["tmp"], runs["tmp"] / "killed"
-    config = _config(tmp, 2)
+    tmp, out = runs["tmp"], runs["tmp"] / f"killed-zero{zero_stage}"
+    config = _config(tmp, zero_stage)
     proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
     try:
@@ -188,10 +218,16 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs):
     # tensors with weights_only=True), and carries both ranks' optimizer partitions.
     state = load_checkpoint(latest_checkpoint(latest.parent))
     assert (state["optimizer"]["world_size"], len(state["optimizer"]["ranks"])) == (2, 2)
+    if zero_stage == 3:  # each rank's fp32 master is its half of the parameters the single-process AdamW steps
+        single = load_checkpoint(latest_checkpoint(Path(runs["single"]["run_dir"]) / "checkpoints"))
+        n_params = sum(st["exp_avg"].numel() for st in single["optimizer"]["state"].values())
+        n_master = [sum(t.numel() for t in r["master"]) for r in state["optimizer"]["ranks"]]
+        assert all(n_params // 2 <= n < n_params for n in n_master), (n_params, n_master)
+        assert all(len(r["adamw"]["state"]) == len(r["master"]) for r in state["optimizer"]["ranks"])
 
     resumed = _train(config, out, nproc=2)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    uninterrupted = runs["zero2"]
+    uninterrupted = runs[f"zero{zero_stage}"]
     assert _metrics(resumed) == _metrics(uninterrupted)
     wr, wu = _final_weights(resumed), _final_weights(uninterrupted)
     assert all(torch.equal(wr[k], wu[k]) for k in wu)
@@ -224,8 +260,7 @@ def test_without_a_deepspeed_config_the_config_builds_without_deepspeed(monkeypa
 @pytest.mark.parametrize(
     "content, message",
     [
-        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 is not supported"),
-        ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage must be one of (1, 2), got 0"),
+        ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage must be one of (1, 2, 3), got 0"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, "'optimizer' is set by the trainer"),
         ({"zero_optimization": {"stage": 2}, "train_batch_size": 32}, "'train_batch_size' is derived from rl.batch_prompts"),
         ({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}, "gradient_clipping 0.5 disagrees with rl.grad_clip 1.0"),
@@ -246,7 +281,7 @@ def test_shipped_deepspeed_configs_are_accepted():
     from a3po.config import config_from_dict
     from a3po.distributed import read_deepspeed_json, zero_stage
 
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         path = REPO_ROOT / f"infra/deepspeed_zero{stage}.json"
         config_from_dict({"distributed": {"deepspeed_config": str(path)}})
         assert zero_stage(read_deepspeed_json(path, 1.0)) == stage
