@@ -177,6 +177,8 @@ def _latency_breakdown(generate_s: float, train_s: float, idle_s: float) -> dict
     period = max(train_s + idle_s, 1e-9)
     return {"perf/generate_s": generate_s, "perf/train_s": train_s, "perf/idle_s": idle_s,
             "perf/trainer_busy_frac": train_s / period, "perf/generator_busy_frac": generate_s / period}
+
+
 def _value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """The critic's figures when the batch is scored (before this step's value updates)."""
     m = mask.bool()
@@ -191,7 +193,7 @@ def save_rank_checkpoint(
     ckpt_dir: str, step: int, policy: torch.nn.Module, updater: Updater, ranks: Ranks, extra: dict, keep: int
 ) -> str | None:
     """Every rank calls this (the optimizer state is a collective under DeepSpeed); rank 0 alone
-    writes the step's one atomic file: the policy (ZeRO-1/2 keep full weights on every rank, ZeRO-3's
+    writes the step's checkpoint folder (a3po.checkpoint): the policy (ZeRO-1/2 keep full weights on every rank, ZeRO-3's
     partitions are gathered), every rank's optimizer partition, and ``extra``. Returns the file on
     rank 0, None elsewhere."""
     optimizer_state = updater.optimizer_state()
