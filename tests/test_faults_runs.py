@@ -4,14 +4,14 @@ mid-training, a flow that fails. Real processes, a real MLflow server, real Pref
 1. The run-folder lock (``a3po.runlock``): a second writer is refused naming the holder; a
    holder killed with SIGKILL frees the folder and the next run takes it over, saying so.
 2. ``kill_stale_runs`` marks KILLED only the RUNNING runs whose folder nobody holds.
-3. ``a3po train`` twice on one folder (slow): refused, then taken over after the first exits
+3. ``a3po train`` twice on one folder: refused, then taken over after the first exits
    or is SIGKILLed, and resumed.
-4. Two compare flows on one output dir (slow): the second is refused; the first's MLflow runs
+4. Two compare flows on one output dir: the second is refused; the first's MLflow runs
    are never tagged superseded and it finishes.
-5. Tracking outage (slow): an ``mlflow server`` stopped after step 2 and restarted later;
+5. Tracking outage: an ``mlflow server`` stopped after step 2 and restarted later;
    training goes on, every metric of every step reaches MLflow, the outage is recorded. Still
    down at the end: the task fails with a clear message, and a re-run back-fills.
-6. A failed flow exits promptly (slow): Prefect's log / event workers are drained before the
+6. A failed flow exits promptly: Prefect's log / event workers are drained before the
    temporary server stops, on failure too.
 """
 
@@ -144,7 +144,6 @@ def _last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 def test_two_a3po_trains_on_one_folder(tmp_path):
     out = tmp_path / "out"
     # Seed 0: the first run completes untouched while a second one is refused.
@@ -176,7 +175,6 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
 # --- 4. two compare flows on one output dir ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -275,7 +273,6 @@ def _assert_every_metric_in_mlflow(client, run_id: str, history_path: Path) -> N
         assert got == pytest.approx(want), key
 
 
-@pytest.mark.slow
 def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
     import threading
 
@@ -321,7 +318,6 @@ def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
     assert [m.step for m in client.get_metric_history(rec.mlflow_run_id, "reward/mean")] == list(range(1, 401))
 
 
-@pytest.mark.slow
 def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -357,7 +353,6 @@ def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlfl
 # --- 6. a failed flow exits promptly ----------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_failed_flow_exits_within_seconds(tmp_path):
     """A task that fails (a dataset folder that does not exist) on Prefect's temporary server:
     before the fix the process lingered ~80 s after the flow failed (workers retrying a stopped
