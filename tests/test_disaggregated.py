@@ -24,12 +24,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runs import run_to_json
+from cli_runs import final_weights as _final_weights
+from cli_runs import step_metrics as _metrics
 import torch
 
 from a3po.disaggregated import pack_state, state_layout, unpack_state
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("perf/", "time/", "prox/time_s")
 STEPS = 8
 
 
@@ -63,24 +65,7 @@ def _share_warmstart(src: Path, out: Path) -> None:
 
 
 def _train(config: Path, out: Path, nproc: int | None = None) -> dict:
-    proc = subprocess.run(_command(config, out, nproc), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-
-
-def _metrics(run: dict) -> dict[int, dict[str, float]]:
-    """Per step, the last record (a resumed run appends the steps it redid), timing aside."""
-    out: dict[int, dict[str, float]] = {}
-    for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith(TIMING)}
-    return out
-
-
-def _final_weights(run: dict) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(Path(run["run_dir"]) / "final" / "model.safetensors")
+    return run_to_json(_command(config, out, nproc), REPO_ROOT, _env())
 
 
 def _assert_same_run(a: dict, b: dict) -> None:

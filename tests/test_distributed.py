@@ -40,12 +40,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runs import run_to_json
+from cli_runs import final_weights as _final_weights
+from cli_runs import step_metrics as _metrics
 
 from a3po.distributed import deepspeed_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
-TIMING = ("perf/", "time/", "prox/time_s")
 STEPS = 8
 # Float summation order across ranks (module docstring).
 RTOL, ATOL = 1e-4, 1e-6
@@ -97,24 +99,7 @@ def _command(config: Path, out: Path, nproc: int | None, variant: str = "logline
 
 def _train(config: Path, out: Path, nproc: int | None = None, variant: str = "loglinear") -> dict:
     """Run the command to the end; returns its final JSON line."""
-    proc = subprocess.run(_command(config, out, nproc, variant), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-
-
-def _metrics(run: dict) -> dict[int, dict[str, float]]:
-    """Per step, the last record (a resumed run appends the steps it redid), timing aside."""
-    out: dict[int, dict[str, float]] = {}
-    for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith(TIMING)}
-    return out
-
-
-def _final_weights(run: dict) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(Path(run["run_dir"]) / "final" / "model.safetensors")
+    return run_to_json(_command(config, out, nproc, variant), REPO_ROOT, _env())
 
 
 @pytest.fixture(scope="module")
