@@ -386,9 +386,6 @@ class OppoConfig:
             raise ValueError(f"oppo.d_inc and oppo.d_dec must be >= 0, got {self.d_inc}, {self.d_dec}")
         if self.window < 2:
             raise ValueError(f"oppo.window must be >= 2 (a slope needs two points), got {self.window}")
-        if self.intra:
-            raise ValueError("oppo.intra needs scoring models (reference, critic, reward model) to overlap with "
-                             "decoding: the PPO path (a3po.streaming); the GRPO path has none")
 
 
 @dataclass(frozen=True)
@@ -426,6 +423,15 @@ class TrainConfig:
             # engine's producer: neither is wired to another engine yet.
             raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter or distributed.rollout_workers is not "
                              "supported yet: use rollout.engine torch there")
+        if self.oppo.intra:
+            if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
+                raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
+                                 "or ppo.reward: model): the PPO path; the GRPO path has none")
+            if self.rollout.engine != "torch" or self.distributed.rollout_workers or self.oppo.inter:
+                # Streaming needs the torch engine's per-token hook in this process; carried-over
+                # partial sequences (inter) would need scorer caches that survive across batches.
+                raise ValueError("oppo.intra is supported with rollout.engine torch, distributed.rollout_workers 0 "
+                                 "and oppo.inter false only (intra + inter with PPO is not wired yet)")
         if self.oppo.inter and self.distributed.rollout_workers:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -35,6 +35,9 @@ from a3po.engines import Engine
 from a3po.prompts import PromptStyle
 from a3po.rewards import grader_counts
 from a3po.rollout import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from a3po.intra import IntraScoring
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -145,6 +148,7 @@ class ScoredBatch:
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
     metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
     producer_state: dict | None = None  # JSON state after producing this batch (OPPO carry-over), for checkpoints
+    streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # scored while decoding (OPPO intra: ref_logp, values, scores)
 
 
 class ProducerFailed(RuntimeError):
@@ -173,8 +177,10 @@ class RolloutProducer(threading.Thread):
         end: int | None = None,
         mid_batch_updates: bool = True,
         check: Callable[[RolloutBatch], dict[str, float]] | None = None,
+        intra: "IntraScoring | None" = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
+        self.intra = intra  # OPPO intra-step overlap: scorers fed chunk by chunk while decoding (a3po.intra)
         if mid_batch_updates and not engine.mid_batch_updates:
             raise ValueError(f"{type(engine).__name__} cannot swap weights inside a batch; use mid_batch_updates=False")
         self.mid_batch_updates, self.check = mid_batch_updates, check
@@ -216,14 +222,20 @@ class RolloutProducer(threading.Thread):
         self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
         t0 = time.perf_counter()
         hook = self._between_steps(j) if self.mid_batch_updates else None
-        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta)
+        stream = {"on_token": self.intra.begin(prompts, self.engine.version)} if self.intra is not None else {}
+        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
+        streamed, intra_metrics = self.intra.finish(rollout.input_ids) if self.intra is not None else ({}, {})
         completions = [self.decode(r) for r in rollout.responses]
         t1 = time.perf_counter()
+        if self.intra is not None:  # the chunk tuner's cost: producing time per generated token
+            n_gen = int(rollout.response_mask.sum())
+            self.intra.record(t1 - t0, n_gen, n_gen / len(rollout))
         with grader_counts() as grader:
             rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
         t2 = time.perf_counter()
         checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
-        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks})
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks, **intra_metrics},
+                           streamed=streamed)
 
     def run(self) -> None:
         try:

@@ -182,28 +182,34 @@ class PPOParts:
     reward_model: torch.nn.Module | None = None
     temperature: float = 1.0  # the sampling temperature: the reference is scored on the same distribution
 
-    def scores(self, batch, grader_scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Per-sequence scores ``(N,)``: the grader's, or the reward model's."""
+    def scores(self, batch, grader_scores: torch.Tensor, streamed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-sequence scores ``(N,)``: the grader's, or the reward model's (``streamed``: already
+        computed while decoding, OPPO's intra-step overlap)."""
         if self.reward_model is None:
             return grader_scores, {}
-        s = reward_model_scores(self.reward_model, batch.input_ids, batch.attention_mask)
+        s = streamed if streamed is not None else reward_model_scores(self.reward_model, batch.input_ids, batch.attention_mask)
         agree = ((s > 0.5).float() == (grader_scores > 0.5).float()).float().mean()
         return s, {"reward/model_mean": s.mean().item(), "reward/model_grader_agreement": agree.item()}
 
-    def kl(self, batch) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Per-token KL ``(N, L)`` of the sampling policy against the reference, or None."""
+    def kl(self, batch, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Per-token KL ``(N, L)`` of the sampling policy against the reference, or None
+        (``ref_logp``: the reference's log-probs already streamed while decoding)."""
         if self.reference is None:
             return None, {}
-        with torch.no_grad():
-            ref_logp = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, self.temperature)
+        if ref_logp is None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, self.temperature)
         kl = kl_penalty(batch.behav_logp, ref_logp, batch.response_mask, self.cfg.kl_estimator)
         n_seq = max(len(batch), 1)
         return kl, {"ppo/kl": (kl.sum() / batch.response_mask.sum().clamp(min=1)).item(), "ppo/kl_seq": kl.sum().item() / n_seq}
 
-    def values(self, batch) -> torch.Tensor:
-        """The critic's values ``(N, L)`` when the batch is scored (``V_old`` of the value clip)."""
+    def values(self, batch, streamed: torch.Tensor | None = None) -> torch.Tensor:
+        """The critic's values ``(N, L)`` when the batch is scored (``V_old`` of the value clip);
+        ``streamed``: already computed while decoding (see :mod:`a3po.intra` for which critic)."""
         if self.critic is None:
             raise ValueError("values were asked for but no critic is configured (ppo.critic: none)")
+        if streamed is not None:
+            return streamed
         with torch.no_grad():
             return token_values(self.critic, batch.input_ids, batch.attention_mask)
 

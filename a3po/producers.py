@@ -50,6 +50,7 @@ class RolloutInputs:
     tokenizer: object
     train_rows: list[dict]
     score: Callable[[list[str], list[dict]], list[float]]  # (completions, meta) -> rewards
+    intra: object | None = None  # a3po.intra.IntraScoring with oppo.intra (in-process placement only)
 
 
 def local_producer(
@@ -83,6 +84,7 @@ def local_producer(
         mid_batch_updates=mid_batch_updates(inp.cfg.rollout),
         check=check,
         **overlap,
+        **({"intra": inp.intra} if inp.intra is not None else {}),
     )
 
 

@@ -103,10 +103,12 @@ class RolloutEngine:
         seed: int,
         between_steps: BetweenSteps | None = None,
         meta: list[dict] | None = None,
+        on_token: OnToken | None = None,
     ) -> RolloutBatch:
-        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device."""
+        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device
+        (``on_token``: OPPO's streamed scoring, this engine only)."""
         gen = sampling_generator(model_device(self.model), seed)
-        return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta)
+        return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta, on_token=on_token)
 
     def close(self) -> None:
         """Nothing to release: the model is the caller's."""

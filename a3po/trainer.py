@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -72,10 +72,12 @@ def train_step(
 
     # 1. Rewards -> KL penalty against the reference -> critic values -> per-token advantages
     #    (N, L). GRPO: grader scores, no KL, no values, one advantage per sequence broadcast.
-    scores, ppo_metrics = ppo.scores(batch, rewards)
-    kl, kl_metrics = ppo.kl(batch)
+    #    With OPPO's intra-step overlap the producer already scored them while decoding (scored.streamed).
+    streamed = scored.streamed
+    scores, ppo_metrics = ppo.scores(batch, rewards, streamed.get("scores"))
+    kl, kl_metrics = ppo.kl(batch, streamed.get("ref_logp"))
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.advantage)
-    values = ppo.values(batch) if estimator.needs_values else None
+    values = ppo.values(batch, streamed.get("values")) if estimator.needs_values else None
     group_ids = torch.tensor([m["group"] for m in batch.meta], device=device)
     est = estimator(AdvantageInputs(token_rewards(scores, resp, kl, ppo.cfg.kl_coef), resp, group_ids, values, ppo.cfg.gamma, ppo.cfg.lam))
     adv = est.advantages
@@ -187,6 +189,19 @@ def _value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
         "ppo/return_mean": returns[m].mean().item() if m.any() else 0.0,
         "ppo/explained_variance": explained_variance(values, returns, mask),
     }
+
+
+def _start_intra(cfg: TrainConfig, ppo: PPOParts, tokenizer, state: dict | None, start: int):
+    """The scorer threads of OPPO's intra-step overlap, with the critic versions the producer
+    will ask for: the checkpoint's history on resume, the current critic as version ``start``."""
+    from a3po.intra import IntraScoring
+
+    intra = IntraScoring(ppo, cfg.oppo, tokenizer.pad_token_id, keep=effective_max_staleness(cfg.rl) + 2)
+    for v, w in sorted((state or {}).get("intra_critic_history", {}).items()):
+        intra.critic_store.publish(int(v), w)
+    if intra.critic_store is not None and intra.critic_store.latest < start:
+        intra.publish_critic(start, ppo.critic)
+    return intra
 
 
 def save_rank_checkpoint(
@@ -331,6 +346,10 @@ def rl_train(
     if not eval_curve:
         eval_curve = [(0, warmstart_acc)]
 
+    # OPPO intra-step overlap: the producer's scorers read the critic's version of each batch (a3po.intra).
+    intra = _start_intra(cfg, ppo, tokenizer, state, start) if cfg.oppo.intra else None
+    if intra is not None:
+        rollout_inputs = replace(rollout_inputs, intra=intra)
     # Rollouts come from a thread of this process or from rollout-worker processes (a3po.producers).
     producer = ROLLOUT_PLACEMENTS.get(placement_name(cfg.distributed))(rollout_inputs, store, start, ranks)
     if cfg.oppo.inter and state is not None:
@@ -348,6 +367,8 @@ def rl_train(
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
             updater.set_lr(learning_rate(rl, step))
             metrics = train_step(updater.model, updater, scored, step, rl, method, ranks, ppo)
+            if intra is not None:  # before the policy's: a batch on version step + 1 finds its critic
+                intra.publish_critic(step + 1, ppo.critic)
             with updater.full_weights():
                 store.publish(step + 1, clone_state(policy))
             train_wall += wait + metrics["perf/step_time_s"]
@@ -379,6 +400,7 @@ def rl_train(
                         "warmstart_acc": warmstart_acc,
                         "config": config_to_dict(cfg),
                         **({"oppo_state": producer_state} if cfg.oppo.inter else {}),
+                        **({"intra_critic_history": intra.critic_history(since=step + 1 - s)} if intra is not None else {}),
                         **ppo.state(),
                     },
                     keep=rl.keep_checkpoints,
@@ -386,6 +408,8 @@ def rl_train(
                 last_ckpt = saved or last_ckpt
     finally:
         producer.stop()
+        if intra is not None:
+            intra.close()
         producer.join(timeout=30)
         producer.close()
     final_acc = eval_curve[-1][1] if eval_curve else warmstart_acc

@@ -1,13 +1,21 @@
-"""OPPO's inter-step overlap against OPPO off, side by side in one run on the long-tailed workload.
+"""OPPO's overlaps against OPPO off, side by side in one run on the long-tailed workload.
 
-Same preset, seed and long-tailed embedded task (``data.long_tail_frac``), the GRPO path (intra-step
-overlap needs the PPO path's scorers wired into its trainer, not done yet, so only "off" and
-"inter" run here). Per setting: median step latency (trainer
-period = wait + train), trainer and generator busy fractions, reward mean. TRL's PPO trainer
-is not run yet (it needs its own environment with TRL 1.12).
+Same preset, seed and long-tailed embedded task (``data.long_tail_frac``) per setting. Two paths:
+
+* ``--path grpo`` (default): settings "off" and "inter" (the GRPO path has no scoring model, so
+  no intra-step overlap);
+* ``--path ppo``: the tiny-ppo settings (GAE + critic + KL against the frozen warm start),
+  settings "off", "intra", "inter", "both". "both" (intra + inter) is refused at config time
+  (streamed scorers over carried-over partial sequences are not wired): reported as refused.
+
+Per setting: median step latency (trainer period = wait + train), trainer and generator busy
+fractions (and the scorer threads' with intra), reward mean. ``--warmstart-cache DIR`` starts RL
+from the preset's supervised warm start (built there once, reused after), else from a random
+init. TRL's PPO trainer is not run (it needs its own environment with TRL 1.12).
 
     python -m bench.oppo                       # micro model, 12 steps per setting
     python -m bench.oppo --preset tiny --steps 20 --long-tail 0.3
+    python -m bench.oppo --path ppo --preset tiny --warmstart-cache /tmp/ws --steps 12
 
 Prints a table, then as the very last line one JSON object with the key figures.
 """
@@ -20,12 +28,15 @@ import statistics
 import sys
 
 from a3po.arithmetic import WORDS
-from a3po.config import preset, with_overrides
+from a3po.config import PRESETS, ConfigError, preset, with_overrides
 from a3po.data import load_rows
-from a3po.models import build_tiny_model
+from a3po.models import build_tiny_model, load_pretrained
 from a3po.trainer import rl_train
 
-SETTINGS = {"off": {"inter": False}, "inter": {"inter": True}}
+SETTINGS = {
+    "grpo": {"off": {"inter": False}, "inter": {"inter": True}},
+    "ppo": {"off": {}, "intra": {"intra": True}, "inter": {"inter": True}, "both": {"intra": True, "inter": True}},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--long-tail", type=float, default=0.25, help="data.long_tail_frac")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
+    ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
@@ -42,31 +55,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
-    cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
-                         rl={"steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-                             "eval_every": 10**6, "checkpoint_every": 10**6},
-                         oppo=oppo)
-    model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
+    ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
+    try:
+        cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
+                             rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                                 "eval_every": 10**6, "checkpoint_every": 10**6},
+                             ppo=ppo.get("ppo", {}), oppo=oppo)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    if args.warmstart_cache:
+        from a3po.pipeline import prepare_warmstart
+
+        ws_dir, _ = prepare_warmstart(preset(args.preset), args.warmstart_cache, log=lambda s: None)
+        model, tok = load_pretrained(ws_dir)
+    else:
+        model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
     train, held, _ = load_rows(cfg.data, tok)
     res = rl_train(cfg, model, tok, train, held[:4], warmstart_acc=0.0)
     h = res.history[1:]  # the first step has nothing to overlap with
+    period = [x["perf/train_s"] + x["perf/idle_s"] for x in h]
+    scorer = [sum(v for k, v in x.items() if k.startswith("oppo/scorer_busy_s/")) / p for x, p in zip(h, period)]
     return {
-        "step_s_median": statistics.median(x["perf/train_s"] + x["perf/idle_s"] for x in h),
+        "step_s_median": statistics.median(period),
         "trainer_busy": statistics.mean(x["perf/trainer_busy_frac"] for x in h),
         "generator_busy": statistics.mean(x["perf/generator_busy_frac"] for x in h),
+        "scorer_busy": statistics.mean(scorer),
         "reward_mean": statistics.mean(x["reward/mean"] for x in res.history),
         "response_len": statistics.mean(x["response/length_mean"] for x in res.history),
+        "chunk_sizes": sorted({int(x["oppo/chunk_size"]) for x in res.history if "oppo/chunk_size" in x}),
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS.items()}
-    print(f"{'setting':8} {'step_s':>8} {'trainer_busy':>13} {'gen_busy':>9} {'reward':>7} {'resp_len':>9}")
+    figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
+    print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'trainer_busy':>13} {'gen_busy':>9} {'scorer_busy':>12} {'reward':>7} {'resp_len':>9}")
+    off = figures["off"]["step_s_median"]
     for name, f in figures.items():
-        print(f"{name:8} {f['step_s_median']:8.3f} {f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} {f['reward_mean']:7.3f} {f['response_len']:9.1f}")
-    out = {"bench": "oppo", "path": "grpo", "speedup_inter": figures["off"]["step_s_median"] / figures["inter"]["step_s_median"],
-           "settings": figures, "intra": "not run (PPO path)", "trl_ppo": "not run",
+        if "refused" in f:
+            print(f"{name:8} refused: {f['refused']}")
+            continue
+        print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} "
+              f"{f['scorer_busy']:12.2f} {f['reward_mean']:7.3f} {f['response_len']:9.1f}")
+    speedup = {f"speedup_{name}": off / f["step_s_median"] for name, f in figures.items() if name != "off" and "refused" not in f}
+    out = {"bench": "oppo", "path": args.path, **speedup, "settings": figures,
+           **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": "not run",
            "command": "python -m bench.oppo " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(json.dumps(out))
     return out
