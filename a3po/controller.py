@@ -184,6 +184,8 @@ class RolloutProducer(threading.Thread):
         self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
+        # Decode on the builder's thread count, whatever the trainer thread sets later (a3po.threads).
+        self.threads = torch.get_num_threads()
 
     def _load(self, version: int) -> None:
         if version != self.engine.version:
@@ -226,6 +228,7 @@ class RolloutProducer(threading.Thread):
         return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks})
 
     def run(self) -> None:
+        torch.set_num_threads(self.threads)
         try:
             while not self._halt.is_set() and (self.end is None or self.next_index < self.end):
                 j = self.next_index
