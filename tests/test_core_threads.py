@@ -99,3 +99,4 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     assert not torch.equal(w1["model.norm.weight"], start["model.norm.weight"])  # the update moved the weights
     assert all(torch.equal(w1[k], wn[k]) for k in w1)
     assert m1 == mn
+
