@@ -8,7 +8,7 @@ op). The trainer and the in-process rollout producer are two threads of one proc
   trains on batch j) each keeps ``torch_threads``, so the two share the cores;
 * where they take turns (staleness bound 0, rollouts in process: the producer starts batch j
   only once version j is published, and the trainer waits for that batch) the training update
-  takes every core the process may use, since the producer is idle meanwhile.
+  takes every core the process may use (``update_threads``), since the producer is idle meanwhile.
 
 Only the update: its forward, backward and AdamW give the same bits on 1 or 2 threads (tiny
 preset, measured), whereas decoding does not (CPU ``scaled_dot_product_attention`` with one query
@@ -43,8 +43,11 @@ def producer_and_trainer_alternate(cfg: TrainConfig) -> bool:
 
 
 def update_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the trainer thread during a training update."""
-    return max(cfg.torch_threads, usable_cores()) if producer_and_trainer_alternate(cfg) else cfg.torch_threads
+    """Intra-op threads of the trainer thread during a training update (``cfg.update_threads``,
+    0 = every core, where the producer idles meanwhile; ``torch_threads`` elsewhere)."""
+    if not producer_and_trainer_alternate(cfg):
+        return cfg.torch_threads
+    return cfg.update_threads or max(cfg.torch_threads, usable_cores())
 
 
 @contextlib.contextmanager

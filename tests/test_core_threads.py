@@ -21,9 +21,16 @@ def test_sync_in_one_process_trains_on_every_core_async_variants_keep_torch_thre
     assert producer_and_trainer_alternate(_cfg("sync"))
     assert update_threads(_cfg("sync")) == usable_cores()
     assert update_threads(_cfg("sync", torch_threads=usable_cores() + 3)) == usable_cores() + 3  # never fewer than asked
+    assert update_threads(_cfg("sync", update_threads=1)) == 1  # e.g. on a machine busy with other work
+    assert update_threads(_cfg("loglinear", update_threads=3)) == 1  # overlapping threads keep torch_threads
     for variant in ("recompute", "loglinear"):  # the producer decodes while the trainer trains
         assert not producer_and_trainer_alternate(_cfg(variant))
         assert update_threads(_cfg(variant, torch_threads=1)) == 1
+
+
+def test_thread_counts_are_checked_when_the_config_is_built():
+    with pytest.raises(ValueError, match="update_threads >= 0"):
+        _cfg("sync", update_threads=-1)
 
 
 def test_sync_with_other_processes_on_the_machine_keeps_torch_threads():
