@@ -48,13 +48,13 @@ INSTALL_TRL = ("python3 -m venv /work/trl-venv && /work/trl-venv/bin/pip install
                "/work/trl-venv/bin/pip install -e '.[bench]'   (then run this bench with /work/trl-venv/bin/python)")
 
 
-def work_config(cycles: int, torch_threads: int | None) -> TrainConfig:
+def work_config(cycles: int, torch_threads: int | None, update_threads: int | None = None) -> TrainConfig:
     """The tiny preset as the comparison runs it: constant lr 1e-4 as TRL's, no evaluation or
     checkpoint inside the timed steps (one of each at the last, untimed step)."""
     steps = cycles + 2  # the first step (producer start-up) and the last (final evaluation) are not timed
     rl = {"steps": steps, "lr": 1e-4, "lr_schedule": "constant", "lr_warmup_steps": 0, "minibatches": UPDATES_PER_BATCH,
           "eval_every": steps, "checkpoint_every": steps}
-    extra = {"torch_threads": torch_threads} if torch_threads else {}
+    extra = {k: v for k, v in (("torch_threads", torch_threads), ("update_threads", update_threads)) if v is not None}
     return with_overrides(preset("tiny"), rl=rl, **extra)
 
 
@@ -165,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="sync,loglinear", help="project variants, comma-separated")
     ap.add_argument("--cache", default=None, help="warm-start cache folder (default: a temporary one, so a warm start is trained)")
     ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's)")
+    ap.add_argument("--update-threads", type=int, default=None, help="config update_threads (default: the config's, 0 = every core)")
     ap.add_argument("--no-trl", action="store_true", help="the project's side only")
     args = ap.parse_args(argv)
     if args.cycles < 1:
         ap.error("--cycles must be >= 1")
-    cfg = work_config(args.cycles, args.torch_threads)
+    cfg = work_config(args.cycles, args.torch_threads, args.update_threads)
     out = Path(tempfile.mkdtemp(prefix="a3po-peer-trl-"))
     ws_dir, ws_acc = prepare_warmstart(cfg, Path(args.cache) if args.cache else out / "cache", log=lambda s: print(s, file=sys.stderr))
     missing = None if args.no_trl else trl_missing()
