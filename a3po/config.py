@@ -402,6 +402,10 @@ class TrainConfig:
     torch_threads: int = 1
     """Intra-op threads of each Python thread. The rollout producer and the trainer are two
     threads; one intra-op thread each maps them onto two cores without oversubscription."""
+    update_threads: int = 0
+    """Intra-op threads of a training update where the producer idles meanwhile (sync, rollouts
+    in process; see a3po.threads); 0: every core. Results do not depend on it. On a machine busy
+    with other work, OpenMP threads beyond the free cores slow an update down many times: set 1."""
     device: Device = Device.AUTO
     """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
     dtype: DType = DType.FLOAT32
@@ -409,6 +413,8 @@ class TrainConfig:
     losses in fp32 either way)."""
 
     def __post_init__(self) -> None:
+        if self.torch_threads < 1 or self.update_threads < 0:
+            raise ValueError(f"torch_threads must be >= 1 and update_threads >= 0, got {self.torch_threads} and {self.update_threads}")
         for name, enum in (("device", Device), ("dtype", DType)):
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
@@ -689,7 +695,7 @@ def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
 
 # Fields that do not change what a run computes: a checkpoint may be resumed with others.
 # (Where rollouts are generated neither: the deterministic schedule makes the same samples.)
-RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "distributed.rollout_workers")
+RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "distributed.rollout_workers")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:

@@ -190,6 +190,8 @@ class RolloutProducer(threading.Thread):
         self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
+        # Decode on the builder's thread count, whatever the trainer thread sets later (a3po.threads).
+        self.threads = torch.get_num_threads()
 
     def _load(self, version: int) -> None:
         if version != self.engine.version:
@@ -238,6 +240,7 @@ class RolloutProducer(threading.Thread):
                            streamed=streamed)
 
     def run(self) -> None:
+        torch.set_num_threads(self.threads)
         try:
             while not self._halt.is_set() and (self.end is None or self.next_index < self.end):
                 j = self.next_index

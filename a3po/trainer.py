@@ -32,6 +32,7 @@ from a3po.ppo import PPOParts, build_ppo_parts, explained_variance, token_reward
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.stability import TokenStats, stability_metrics
+from a3po.threads import intra_op_threads, update_threads
 
 
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -355,6 +356,7 @@ def rl_train(
     if cfg.oppo.inter and state is not None:
         producer.load_state_dict(state["oppo_state"])  # the carry-over buffer as it was before batch `start`
     producer_state = None
+    train_threads = update_threads(cfg)
     producer.start()
     t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
     last_ckpt = str(ckpt) if ckpt else None
@@ -366,7 +368,8 @@ def rl_train(
             if scored.index != step:
                 raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
             updater.set_lr(learning_rate(rl, step))
-            metrics = train_step(updater.model, updater, scored, step, rl, method, ranks, ppo)
+            with intra_op_threads(train_threads):  # every core where the producer idles meanwhile (sync)
+                metrics = train_step(updater.model, updater, scored, step, rl, method, ranks, ppo)
             if intra is not None:  # before the policy's: a batch on version step + 1 finds its critic
                 intra.publish_critic(step + 1, ppo.critic)
             with updater.full_weights():

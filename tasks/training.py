@@ -68,6 +68,7 @@ def config_hash(cfg: TrainConfig) -> str:
     """Hash of everything that determines a run (the output dir aside)."""
     d = config_to_dict(cfg)
     d.pop("output_dir", None)
+    d.pop("update_threads", None)  # results do not depend on it (a3po.threads); run folders keep their names
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 

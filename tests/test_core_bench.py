@@ -94,3 +94,17 @@ def test_gpu_smoke_argument_checks():
         gpu_smoke.parse_args(["--batch", "10", "--group-size", "4"])
     with pytest.raises(SystemExit):
         gpu_smoke.parse_args(["--steps", "0"])
+
+
+# --- bench.peer_trl: TRL is optional ---------------------------------------------------------
+
+def test_peer_bench_says_how_to_install_trl_when_it_is_missing():
+    import importlib.util
+
+    from bench.peer_trl import trl_missing
+
+    if importlib.util.find_spec("trl") is not None:
+        assert trl_missing() is None
+    else:
+        msg = trl_missing()
+        assert "TRL is not installed" in msg and "pip install -e '.[bench]'" in msg
