@@ -66,7 +66,11 @@ def test_gpu_smoke_runs_every_variant_on_cpu_and_ends_with_one_json_line(capsys)
     for v in ("sync", "recompute", "loglinear"):
         for k in ("tokens_per_s", "step_s", "prox_s"):
             assert math.isfinite(last[f"{v}/{k}"]) and last[f"{v}/{k}"] > 0, (v, k)
-    assert last["prox_ratio_recompute_vs_loglinear"] == pytest.approx(last["recompute/prox_s"] / last["loglinear/prox_s"], rel=1e-3)
+    # The JSON rounds the times to 1e-6 s and the ratio to 1e-3: the ratio of the rounded times
+    # may differ by what that rounding allows (0.1% was too tight when loglinear's time is ~0.3 ms).
+    r, lg = last["recompute/prox_s"], last["loglinear/prox_s"]
+    slack = (r / lg) * (5e-7 / r + 5e-7 / lg) + 5e-4
+    assert last["prox_ratio_recompute_vs_loglinear"] == pytest.approx(r / lg, abs=slack)
     assert any(line.strip().startswith("loglinear") for line in out)
 
 
