@@ -31,3 +31,21 @@ def final_weights(run: dict) -> dict:
     from safetensors.torch import load_file
 
     return load_file(Path(run["run_dir"]) / "final" / "model.safetensors")
+
+
+def kill_rank_after_first_checkpoint(proc, latest: Path, rank: int = 1, timeout: float = 600) -> None:
+    """Wait until the launched run ``proc`` (a torchrun, started in its own session) writes its
+    first checkpoint (``latest``), then SIGKILL the process of global rank ``rank``."""
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while not latest.exists():
+        assert proc.poll() is None, f"the run ended before its first checkpoint:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint after {timeout:.0f} s"
+        time.sleep(0.02)
+    found = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == str(rank)]
+    assert len(found) == 1, found
+    found[0].send_signal(signal.SIGKILL)

@@ -20,11 +20,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from cli_runs import run_to_json
+from cli_runs import kill_rank_after_first_checkpoint, run_to_json
 from cli_runs import final_weights as _final_weights
 from cli_runs import step_metrics as _metrics
 import torch
@@ -103,7 +102,6 @@ def test_killed_rollout_worker_fails_the_run_and_the_rerun_resumes_exactly(runs)
     """SIGKILL of the worker (rank 1) once a checkpoint exists: the run fails naming rank 1; the
     same command resumes (the worker restarts at the checkpoint's batch with its versions) and
     ends equal to the uninterrupted run."""
-    import psutil
 
     tmp, out = runs["tmp"], runs["tmp"] / "killed"
     _share_warmstart(tmp / "single", out)
@@ -112,14 +110,7 @@ def test_killed_rollout_worker_fails_the_run_and_the_rerun_resumes_exactly(runs)
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
     try:
-        deadline = time.monotonic() + 600
-        while not latest.exists():
-            assert proc.poll() is None, f"the run ended before its first checkpoint:\n{proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no checkpoint after 600 s"
-            time.sleep(0.02)
-        worker = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        assert len(worker) == 1, worker
-        worker[0].send_signal(signal.SIGKILL)
+        kill_rank_after_first_checkpoint(proc, latest)
         output, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -36,11 +36,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from cli_runs import run_to_json
+from cli_runs import kill_rank_after_first_checkpoint, run_to_json
 from cli_runs import final_weights as _final_weights
 from cli_runs import step_metrics as _metrics
 
@@ -173,7 +172,6 @@ def test_two_rank_zero1_matches_single_process_with_recomputed_proximal_logprobs
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage):
     """SIGKILL of rank 1 once a checkpoint exists; the rerun ends equal to the uninterrupted run."""
-    import psutil
     import torch
 
     from a3po.checkpoint import latest_checkpoint, load_checkpoint
@@ -183,14 +181,7 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage
     proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
     try:
-        deadline = time.monotonic() + 600
-        while not latest.exists():
-            assert proc.poll() is None, f"the run ended before its first checkpoint:\n{proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no checkpoint after 600 s"
-            time.sleep(0.02)
-        rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        assert len(rank1) == 1, rank1
-        rank1[0].send_signal(signal.SIGKILL)
+        kill_rank_after_first_checkpoint(proc, latest)
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
