@@ -182,7 +182,7 @@ def run_trl_ppo(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows
     """``steps`` PPO steps of TRL's PPOTrainer on ``cfg``'s work from a copy of ``policy`` (left
     as it is); returns the figures of the module docstring. Needs TRL 1.12 (:func:`trl_ppo_missing`)."""
     from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding, TrainerCallback
+    from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from datasets import Dataset
 
@@ -236,13 +236,16 @@ def run_trl_ppo(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows
                              ref_model=ref, reward_model=reward, value_model=critic, train_dataset=dataset, eval_dataset=dataset,
                              optimizers=(optimizer, schedule), callbacks=[StepTimer()])
         trainer.remove_callback(PrinterCallback)  # it prints every step's metrics (disable_tqdm)
-        # TRL shuffles its prompts; the project's order instead (batch j = sampler.batch(j)).
-        trainer.dataloader = DataLoader(dataset, batch_size=rl.batch_prompts * rl.group_size, shuffle=False,
-                                        collate_fn=DataCollatorWithPadding(tokenizer), drop_last=True)
+        # TRL shuffles its prompts; the project's order instead (batch j = sampler.batch(j)), padded
+        # on the left whatever the tokenizer's side (TRL's responses start at the prompt block's end).
+        trainer.dataloader = DataLoader(dataset, batch_size=rl.batch_prompts * rl.group_size, shuffle=False, drop_last=True,
+                                        collate_fn=lambda rows: tokenizer.pad(rows, padding_side="left", return_tensors="pt"))
 
         originals = {name: getattr(ppo_mod, name) for name in ("batch_generation", "forward", "get_reward")}
 
         def timed_generation(model, queries, *a, **kw):
+            if bool((queries[:, -1] == tokenizer.pad_token_id).any()):
+                raise RuntimeError("TRL was handed right-padded prompts: it would generate after the padding")
             if isinstance(reward, GraderReward):
                 reward.context_length = queries.shape[1]
             t0 = time.perf_counter()

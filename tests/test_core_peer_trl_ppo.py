@@ -82,6 +82,7 @@ def test_trl_ppo_runs_two_steps_on_the_micro_work():
     args = oppo.parse_args(["--path", "ppo", "--preset", "micro", "--steps", "2", "--max-new-tokens", "8"])
     cfg = oppo.setting_config(args, {})
     model, tok, train, _ = oppo.setting_model(args, cfg)
+    tok.padding_side = "right"  # as a saved warm start's tokenizer may load: TRL must still get left-padded prompts
     before = {k: v.clone() for k, v in model.state_dict().items()}
     f = run_trl_ppo(cfg, model, tok, train, args.steps, threads=1)
     assert f["steps"] == 2 and len(f["reward_curve"]) == 2
