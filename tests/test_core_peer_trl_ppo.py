@@ -16,7 +16,7 @@ from a3po.controller import PromptSampler
 from a3po.data import load_rows, prompt_style
 from a3po.models import build_tiny_model
 from bench import oppo
-from bench.peer_trl_ppo import GraderReward, main, trl_ppo_missing
+from bench.peer_trl_ppo import GraderReward, SigmoidReward, main, trl_ppo_missing
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -72,6 +72,34 @@ def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_p
     assert scores.shape == (4, L, 1)
     assert scores[:, 0, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # right, right, wrong, wrong
     assert bool((scores == scores[:, :1]).all())  # the same score at every position TRL may read
+
+
+def test_reward_model_behind_trls_interface_scores_as_the_project_does():
+    from a3po.ppo import reward_model_scores
+    from a3po.reward_model import build_reward_model
+
+    policy, tok = build_tiny_model("micro", WORDS, seed=0)
+    rm = build_reward_model(policy, tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        torch.nn.init.normal_(rm.score.weight, std=1.0)  # a head that tells rows apart (a fresh one gives ~0.5 everywhere)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    # TRL's layout: prompts left-padded to width 4, responses up to their EOS, then padding.
+    ids = torch.tensor([[pad, 7, 8, 9, 10, 11, eos, pad],
+                        [5, 6, 7, 8, 12, 13, 14, eos],
+                        [pad, pad, 9, 9, 15, eos, pad, pad]])
+    mask = (ids != pad).long()
+    expected = reward_model_scores(rm, ids, mask)  # (N,): sigmoid of the logit at each row's last token (the EOS)
+    wrapped = SigmoidReward(rm)
+    # TRL's get_reward: the backbone named by base_model_prefix, score(last hidden), read at the EOS column.
+    out = getattr(wrapped, wrapped.base_model_prefix)(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask,
+                                                      position_ids=mask.cumsum(1) - mask, return_dict=True,
+                                                      output_hidden_states=True, use_cache=False)
+    logits = wrapped.score(out.hidden_states[-1])
+    eos_col = (ids == eos).int().argmax(1)
+    got = logits[torch.arange(3), eos_col, 0]
+    assert expected.unique().numel() == 3  # the rows really differ
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
