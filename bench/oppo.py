@@ -39,7 +39,7 @@ from a3po.config import PRESETS, ConfigError, preset, with_overrides
 from a3po.data import load_rows
 from a3po.models import build_tiny_model, load_pretrained
 from a3po.trainer import rl_train
-from bench.peer_trl_ppo import run_trl_ppo, trl_ppo_missing
+from bench.peer_trl_ppo import INSTALL_TRL_PPO, run_trl_ppo, trl_ppo_missing
 
 SETTINGS = {
     "grpo": {"off": {"inter": False}, "inter": {"inter": True}},
@@ -47,8 +47,9 @@ SETTINGS = {
 }
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo", description: str | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
+                                 epilog=f"TRL's PPO (PPO path) needs TRL 1.12, in a venv of its own: {INSTALL_TRL_PPO}")
     ap.add_argument("--preset", default="micro", choices=["micro", "tiny"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--long-tail", type=float, default=0.25, help="data.long_tail_frac")

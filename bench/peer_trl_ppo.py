@@ -301,7 +301,7 @@ def table(name: str, f: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     from bench import oppo  # the workload is bench.oppo's PPO path with OPPO off
 
-    args = oppo.parse_args(argv, prog="python -m bench.peer_trl_ppo")
+    args = oppo.parse_args(argv, prog="python -m bench.peer_trl_ppo", description=__doc__.split("\n\n")[0])
     args.path = "ppo"
     command = "python -m bench.peer_trl_ppo " + " ".join(argv if argv is not None else sys.argv[1:])
     missing = trl_ppo_missing()

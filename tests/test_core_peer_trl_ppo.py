@@ -42,6 +42,13 @@ def test_bench_oppo_reports_why_trl_ppo_was_not_run():
     assert why.startswith("not run: ") and "'.[bench-ppo]'" in why
 
 
+def test_help_gives_the_install_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "pip install -e '.[bench-ppo]'" in " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
 def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_prompts_gold():
     cfg = preset("micro")
     _, tok = build_tiny_model("micro", WORDS, seed=0)
