@@ -58,9 +58,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo"
     ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
     ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
     ap.add_argument("--no-trl", action="store_true", help="skip TRL's PPO row (PPO path; run where TRL 1.12 is importable)")
+    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's intra-op threads (0: every usable core)")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
+    if args.trl_threads < 0:
+        ap.error("--trl-threads must be >= 0")
     return args
 
 
@@ -118,7 +121,7 @@ def trl_ppo_side(args: argparse.Namespace) -> dict | str:
         return f"not run: {missing}"
     cfg = setting_config(args, {})
     model, tok, train, _ = setting_model(args, cfg)
-    return run_trl_ppo(cfg, model, tok, train, args.steps)
+    return run_trl_ppo(cfg, model, tok, train, args.steps, threads=args.trl_threads or None)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -42,7 +42,12 @@ Settings, TRL 1.12 ``PPOConfig`` <- the project's config:
     optimizer                     <- AdamW, weight decay 0, two groups: the policy at rl.lr on the
                                      project's schedule (a3po.trainer.learning_rate: warm-up, cosine),
                                      the critic at ppo.critic_lr, constant (the project's own critic optimizer)
-    seed, fp32, CPU, every usable core (torch.set_num_threads), no gradient checkpointing, no logging/saving.
+    seed, fp32, CPU, no gradient checkpointing, no logging/saving.
+    threads                       <- --trl-threads (0: every usable core, as bench/peer_trl.py gives TRL's
+                                     GRPO). The project's async PPO runs its producer and trainer threads
+                                     on one intra-op thread each; TRL works in one thread, so it gets the
+                                     cores as intra-op threads. On an oversubscribed machine two OpenMP
+                                     threads can be ~10x slower than one (measured: see docs/results.md).
 
 What TRL 1.12 cannot match: it never clips gradients (``optimizer.step()`` without
 ``clip_grad_norm_``; the project clips policy and critic at rl.grad_clip); policy and critic take
@@ -55,8 +60,9 @@ response per prompt row (the group structure is only the repeated prompts).
 Figures (steps after the first; the first pays for start-up): ``step_s_median`` = median time
 between the ends of consecutive PPO steps (TRL's ``on_step_end``); ``generator_busy`` = the
 generate call's share of the step; ``scorer_busy`` = the reference, critic and reward passes'
-share (TRL's no-grad ``forward`` and ``get_reward``); ``trainer_busy`` = the rest (GAE and the
-PPO minibatch updates). TRL runs them one after another in one thread, so the three add to 1.
+share (TRL's no-grad ``forward`` and ``get_reward``); ``trainer_busy`` = the rest (GAE, the
+PPO minibatch updates and TRL's own ``gc.collect()`` twice a step, ~0.5 s each in this process's
+heap). TRL runs them one after another in one thread, so the three add to 1.
 ``gen_tok_s`` = generated tokens (EOS included) / generate time, median. ``reward_mean`` = mean
 grader score (TRL's ``objective/scores``) over all steps, as bench.oppo averages its settings'.
 Prints a table, then as the very last line one JSON object.
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         cfg = oppo.setting_config(args, {})
         model, tok, train, _ = oppo.setting_model(args, cfg)
-        figures = run_trl_ppo(cfg, model, tok, train, args.steps)
+        figures = run_trl_ppo(cfg, model, tok, train, args.steps, threads=args.trl_threads or None)
         print(f"peer_trl_ppo: TRL {figures['trl_version']} PPOTrainer, {args.steps} steps (first not timed), {figures['threads']} threads")
         print(table("TRL PPO", figures))
         out = {"bench": "peer_trl_ppo", "trl_ppo": figures, "command": command}
