@@ -11,11 +11,18 @@ Same preset, seed and long-tailed embedded task (``data.long_tail_frac``) per se
 Per setting: median step latency (trainer period = wait + train), trainer and generator busy
 fractions (and the scorer threads' with intra), reward mean. ``--warmstart-cache DIR`` starts RL
 from the preset's supervised warm start (built there once, reused after), else from a random
-init. TRL's PPO trainer is not run (it needs its own environment with TRL 1.12).
+init. On the PPO path, where TRL 1.12 is importable, TRL's PPOTrainer runs the "off" setting's
+work too (same config, start, prompts and lengths; ``bench.peer_trl_ppo``) and gets a row, with
+its ratio to off and each setting's to it; elsewhere the JSON says why it was not run. TRL 1.12
+is the last release with PPO, so it has a venv of its own (``--no-trl`` skips it)::
+
+    python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 \\
+      && /work/trl112-venv/bin/pip install -e '.[bench-ppo]'
 
     python -m bench.oppo                       # micro model, 12 steps per setting
     python -m bench.oppo --preset tiny --steps 20 --long-tail 0.3
     python -m bench.oppo --path ppo --preset tiny --warmstart-cache /tmp/ws --steps 12
+    /work/trl112-venv/bin/python -m bench.oppo --path ppo --preset tiny --warmstart-cache /tmp/ws   # + TRL's PPO
 
 Prints a table, then as the very last line one JSON object with the key figures.
 """
@@ -32,6 +39,7 @@ from a3po.config import PRESETS, ConfigError, preset, with_overrides
 from a3po.data import load_rows
 from a3po.models import build_tiny_model, load_pretrained
 from a3po.trainer import rl_train
+from bench.peer_trl_ppo import INSTALL_TRL_PPO, run_trl_ppo, trl_ppo_missing
 
 SETTINGS = {
     "grpo": {"off": {"inter": False}, "inter": {"inter": True}},
@@ -39,8 +47,9 @@ SETTINGS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.oppo", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo", description: str | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
+                                 epilog=f"TRL's PPO (PPO path) needs TRL 1.12, in a venv of its own: {INSTALL_TRL_PPO}")
     ap.add_argument("--preset", default="micro", choices=["micro", "tiny"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--long-tail", type=float, default=0.25, help="data.long_tail_frac")
@@ -48,21 +57,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
     ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
+    ap.add_argument("--no-trl", action="store_true", help="skip TRL's PPO row (PPO path; run where TRL 1.12 is importable)")
+    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's intra-op threads (0: every usable core)")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
+    if args.trl_threads < 0:
+        ap.error("--trl-threads must be >= 0")
     return args
 
 
-def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
+def setting_config(args: argparse.Namespace, oppo: dict):
+    """One setting's config (ConfigError when the combination is refused)."""
     ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
-    try:
-        cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
-                             rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-                                 "eval_every": 10**6, "checkpoint_every": 10**6},
-                             ppo=ppo.get("ppo", {}), oppo=oppo)
-    except ConfigError as e:
-        return {"refused": str(e)}
+    return with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
+                          rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                              "eval_every": 10**6, "checkpoint_every": 10**6},
+                          ppo=ppo.get("ppo", {}), oppo=oppo)
+
+
+def setting_model(args: argparse.Namespace, cfg):
+    """The starting policy, tokenizer, training and held-out rows of a setting."""
     if args.warmstart_cache:
         from a3po.pipeline import prepare_warmstart
 
@@ -71,6 +86,15 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     else:
         model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
     train, held, _ = load_rows(cfg.data, tok)
+    return model, tok, train, held
+
+
+def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
+    try:
+        cfg = setting_config(args, oppo)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    model, tok, train, held = setting_model(args, cfg)
     res = rl_train(cfg, model, tok, train, held[:4], warmstart_acc=0.0)
     h = res.history[1:]  # the first step has nothing to overlap with
     period = [x["perf/train_s"] + x["perf/idle_s"] for x in h]
@@ -86,9 +110,24 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     }
 
 
+def trl_ppo_side(args: argparse.Namespace) -> dict | str:
+    """TRL's PPOTrainer on the "off" setting's work (bench.peer_trl_ppo), or why it was not run."""
+    if args.path != "ppo":
+        return "not run (PPO path only: --path ppo)"
+    if args.no_trl:
+        return "not run (--no-trl)"
+    missing = trl_ppo_missing()
+    if missing:
+        return f"not run: {missing}"
+    cfg = setting_config(args, {})
+    model, tok, train, _ = setting_model(args, cfg)
+    return run_trl_ppo(cfg, model, tok, train, args.steps, threads=args.trl_threads or None)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
+    trl = trl_ppo_side(args)
     print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'trainer_busy':>13} {'gen_busy':>9} {'scorer_busy':>12} {'reward':>7} {'resp_len':>9}")
     off = figures["off"]["step_s_median"]
     for name, f in figures.items():
@@ -97,9 +136,17 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} "
               f"{f['scorer_busy']:12.2f} {f['reward_mean']:7.3f} {f['response_len']:9.1f}")
+    if isinstance(trl, dict):  # speedup column: off / TRL; then each setting against TRL
+        print(f"{'TRL PPO':8} {trl['step_s_median']:8.3f} {off / trl['step_s_median']:8.2f} {trl['trainer_busy']:13.2f} "
+              f"{trl['generator_busy']:9.2f} {trl['scorer_busy']:12.2f} {trl['reward_mean']:7.3f} {trl['response_len']:9.1f}")
+        vs_trl = {name: trl["step_s_median"] / f["step_s_median"] for name, f in figures.items() if "refused" not in f}
+        print("vs TRL PPO (TRL step_s / setting step_s): " + ", ".join(f"{k} {v:.2f}x" for k, v in vs_trl.items()))
+    else:
+        print(f"TRL PPO  {trl}")
     speedup = {f"speedup_{name}": off / f["step_s_median"] for name, f in figures.items() if name != "off" and "refused" not in f}
     out = {"bench": "oppo", "path": args.path, **speedup, "settings": figures,
-           **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": "not run",
+           **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": trl,
+           **({"vs_trl_ppo": vs_trl} if isinstance(trl, dict) else {}),
            "command": "python -m bench.oppo " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(json.dumps(out))
     return out
