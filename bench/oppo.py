@@ -5,13 +5,22 @@ Same preset, seed and long-tailed embedded task (``data.long_tail_frac``) per se
 * ``--path grpo`` (default): settings "off" and "inter" (the GRPO path has no scoring model, so
   no intra-step overlap);
 * ``--path ppo``: the tiny-ppo settings (GAE + critic + KL against the frozen warm start),
-  settings "off", "intra", "inter", "both". "both" (intra + inter) is refused at config time
-  (streamed scorers over carried-over partial sequences are not wired): reported as refused.
+  settings "off", "intra", "inter", "both" (intra + inter).
+
+``--max-staleness`` (default 0) is the staleness bound of the loglinear variant every setting
+runs: 0 is synchronous PPO (generate -> score -> train in turn, the paper's and TRL's baseline:
+the latency OPPO hides is on the step's critical path); 1 or more lets the producer run ahead of
+the trainer (asynchronous: generation already overlaps training, and OPPO can only hide what is
+left). Every setting runs with ``update_threads: 1`` (one intra-op thread per Python thread),
+so the comparison is the overlap alone, not a thread count (the default gives a synchronous
+update every core, oppo.inter not). The table says which side bounds each setting's step.
 
 Per setting: median step latency (trainer period = wait + train), trainer and generator busy
-fractions (and the scorer threads' with intra), reward mean. ``--warmstart-cache DIR`` starts RL
-from the preset's supervised warm start (built there once, reused after), else from a random
-init. TRL's PPO trainer is not run (it needs its own environment with TRL 1.12).
+fractions (and the scorer threads' with intra), reward mean, answer lengths. ``--warmstart-cache
+DIR`` starts RL from the preset's supervised warm start on the same long-tailed data (built there
+once, reused after: without the long problems in its data the warm start answers them in one line
+and there is no tail), else from a random init. TRL's PPO trainer is not run here (its own
+environment with TRL 1.12: ``trl_ppo``).
 
     python -m bench.oppo                       # micro model, 12 steps per setting
     python -m bench.oppo --preset tiny --steps 20 --long-tail 0.3
@@ -47,26 +56,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
+    ap.add_argument("--max-staleness", type=int, default=0, help="rl.max_staleness of the loglinear variant (0: synchronous)")
     ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
+    if args.max_staleness < 0:
+        ap.error("--max-staleness must be >= 0")
     return args
 
 
 def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
+    data = {"long_tail_frac": args.long_tail}
     try:
-        cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
+        cfg = with_overrides(preset(args.preset), data=data,
                              rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                                 "variant": "loglinear", "max_staleness": args.max_staleness,
                                  "eval_every": 10**6, "checkpoint_every": 10**6},
-                             ppo=ppo.get("ppo", {}), oppo=oppo)
+                             ppo=ppo.get("ppo", {}), oppo=oppo, update_threads=1)
     except ConfigError as e:
         return {"refused": str(e)}
     if args.warmstart_cache:
         from a3po.pipeline import prepare_warmstart
 
-        ws_dir, _ = prepare_warmstart(preset(args.preset), args.warmstart_cache, log=lambda s: None)
+        ws_dir, _ = prepare_warmstart(with_overrides(preset(args.preset), data=data), args.warmstart_cache, log=lambda s: None)
         model, tok = load_pretrained(ws_dir)
     else:
         model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
@@ -75,13 +89,19 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     h = res.history[1:]  # the first step has nothing to overlap with
     period = [x["perf/train_s"] + x["perf/idle_s"] for x in h]
     scorer = [sum(v for k, v in x.items() if k.startswith("oppo/scorer_busy_s/")) / p for x, p in zip(h, period)]
+    trainer_busy = statistics.mean(x["perf/trainer_busy_frac"] for x in h)
     return {
         "step_s_median": statistics.median(period),
-        "trainer_busy": statistics.mean(x["perf/trainer_busy_frac"] for x in h),
+        "generate_s_median": statistics.median(x["perf/generate_s"] for x in h),
+        "train_s_median": statistics.median(x["perf/train_s"] for x in h),
+        "trainer_busy": trainer_busy,
         "generator_busy": statistics.mean(x["perf/generator_busy_frac"] for x in h),
         "scorer_busy": statistics.mean(scorer),
+        # The trainer waits for batches most of the time: generation (+ scoring) is the critical path.
+        "bound_by": "trainer" if trainer_busy > 0.9 else "generation",
         "reward_mean": statistics.mean(x["reward/mean"] for x in res.history),
         "response_len": statistics.mean(x["response/length_mean"] for x in res.history),
+        "carried_mean": statistics.mean(x.get("oppo/carried", 0.0) for x in h),
         "chunk_sizes": sorted({int(x["oppo/chunk_size"]) for x in res.history if "oppo/chunk_size" in x}),
     }
 
@@ -89,16 +109,20 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
-    print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'trainer_busy':>13} {'gen_busy':>9} {'scorer_busy':>12} {'reward':>7} {'resp_len':>9}")
+    print(f"loglinear, max_staleness {args.max_staleness} ({'synchronous' if args.max_staleness == 0 else 'asynchronous'}), "
+          f"long_tail_frac {args.long_tail}, max_new_tokens {args.max_new_tokens}")
+    print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'gen_s':>7} {'train_s':>8} {'trainer_busy':>13} {'gen_busy':>9} "
+          f"{'scorer_busy':>12} {'bound_by':>10} {'reward':>7} {'resp_len':>9}")
     off = figures["off"]["step_s_median"]
     for name, f in figures.items():
         if "refused" in f:
             print(f"{name:8} refused: {f['refused']}")
             continue
-        print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} "
-              f"{f['scorer_busy']:12.2f} {f['reward_mean']:7.3f} {f['response_len']:9.1f}")
+        print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['generate_s_median']:7.3f} {f['train_s_median']:8.3f} "
+              f"{f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} {f['scorer_busy']:12.2f} {f['bound_by']:>10} "
+              f"{f['reward_mean']:7.3f} {f['response_len']:9.1f}")
     speedup = {f"speedup_{name}": off / f["step_s_median"] for name, f in figures.items() if name != "off" and "refused" not in f}
-    out = {"bench": "oppo", "path": args.path, **speedup, "settings": figures,
+    out = {"bench": "oppo", "path": args.path, "max_staleness": args.max_staleness, **speedup, "settings": figures,
            **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": "not run",
            "command": "python -m bench.oppo " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(json.dumps(out))
