@@ -15,6 +15,11 @@ left). Every setting runs with ``update_threads: 1`` (one intra-op thread per Py
 so the comparison is the overlap alone, not a thread count (the default gives a synchronous
 update every core, oppo.inter not). The table says which side bounds each setting's step.
 
+``--chunk`` (default 16) pins intra's chunk size and ``--delta`` (default 8) pins inter's Delta: a
+run of a dozen steps would otherwise spend most of them probing chunk sizes (1 and 2 cost twice a
+step on CPU) or walking Delta up from 2 (too few spare groups to cut the tail); ``--chunk 0`` and
+``--delta -1`` measure the online tuner and the reward-slope rule instead.
+
 Per setting: median step latency (trainer period = wait + train), trainer and generator busy
 fractions (and the scorer threads' with intra), reward mean, answer lengths. ``--warmstart-cache
 DIR`` starts RL from the preset's supervised warm start on the same long-tailed data (built there
@@ -57,17 +62,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
     ap.add_argument("--max-staleness", type=int, default=0, help="rl.max_staleness of the loglinear variant (0: synchronous)")
+    ap.add_argument("--chunk", type=int, default=16, help="intra: pin the streamed chunk size (0: the online tuner, oppo.chunk_min..chunk_max)")
+    ap.add_argument("--delta", type=int, default=8, help="inter: pin Delta, the extra groups admitted per step (-1: the reward-slope rule)")
     ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
-    if args.max_staleness < 0:
-        ap.error("--max-staleness must be >= 0")
+    if args.max_staleness < 0 or args.chunk < 0 or args.delta < -1:
+        ap.error("--max-staleness and --chunk must be >= 0, --delta >= -1")
     return args
+
+
+def oppo_overrides(args: argparse.Namespace, oppo: dict) -> dict:
+    """A setting's ``oppo:`` section with the bench's pins (chunk size, Delta)."""
+    out = dict(oppo)
+    if oppo.get("intra") and args.chunk:
+        out.update(chunk_min=args.chunk, chunk_max=args.chunk)
+    if oppo.get("inter") and args.delta >= 0:
+        out.update(delta_init=args.delta, delta_min=args.delta, delta_max=args.delta)
+    return out
 
 
 def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
+    oppo = oppo_overrides(args, oppo)
     data = {"long_tail_frac": args.long_tail}
     try:
         cfg = with_overrides(preset(args.preset), data=data,
@@ -110,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
     print(f"loglinear, max_staleness {args.max_staleness} ({'synchronous' if args.max_staleness == 0 else 'asynchronous'}), "
-          f"long_tail_frac {args.long_tail}, max_new_tokens {args.max_new_tokens}")
+          f"long_tail_frac {args.long_tail}, max_new_tokens {args.max_new_tokens}, "
+          f"chunk {args.chunk or 'tuned'}, Delta {args.delta if args.delta >= 0 else 'reward-slope rule'}")
     print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'gen_s':>7} {'train_s':>8} {'trainer_busy':>13} {'gen_busy':>9} "
           f"{'scorer_busy':>12} {'bound_by':>10} {'reward':>7} {'resp_len':>9}")
     off = figures["off"]["step_s_median"]
@@ -122,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} {f['scorer_busy']:12.2f} {f['bound_by']:>10} "
               f"{f['reward_mean']:7.3f} {f['response_len']:9.1f}")
     speedup = {f"speedup_{name}": off / f["step_s_median"] for name, f in figures.items() if name != "off" and "refused" not in f}
-    out = {"bench": "oppo", "path": args.path, "max_staleness": args.max_staleness, **speedup, "settings": figures,
+    out = {"bench": "oppo", "path": args.path, "max_staleness": args.max_staleness, "chunk": args.chunk, "delta": args.delta,
+           **speedup, "settings": figures,
            **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": "not run",
            "command": "python -m bench.oppo " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(json.dumps(out))
