@@ -115,8 +115,9 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
         "trainer_busy": trainer_busy,
         "generator_busy": statistics.mean(x["perf/generator_busy_frac"] for x in h),
         "scorer_busy": statistics.mean(scorer),
-        # The trainer waits for batches most of the time: generation (+ scoring) is the critical path.
-        "bound_by": "trainer" if trainer_busy > 0.9 else "generation",
+        # Synchronous: generation and training take turns, the step is their sum. Asynchronous: the
+        # busier side bounds the step (the trainer never waits: training; it mostly waits: generation).
+        "bound_by": "in turn" if args.max_staleness == 0 else ("training" if trainer_busy > 0.9 else "generation"),
         "reward_mean": statistics.mean(x["reward/mean"] for x in res.history),
         "response_len": statistics.mean(x["response/length_mean"] for x in res.history),
         "carried_mean": statistics.mean(x.get("oppo/carried", 0.0) for x in h),
