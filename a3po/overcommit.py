@@ -19,6 +19,12 @@ of the mean reward over the last ``window`` steps is positive, over-commit more
 (``Delta <- min(Delta_max, Delta + d_inc)``), otherwise back off
 (``Delta <- max(Delta_min, Delta - d_dec)``).
 
+With OPPO's intra-step overlap too (``oppo.intra``), the scorer threads prefill the same block
+the engine re-prefills (prompt + partial answer: a carried answer is rescored from its start in
+each step it resumes, so all its values come from one critic version) and take the new tokens chunk
+by chunk; a sample that is done keeps the figures of its whole answer (:attr:`Sample.scored`) until
+its group is trained (:func:`pack_streamed`).
+
 Everything here is plain Python state (lists, ints, floats) so the buffer checkpoints as JSON.
 """
 
