@@ -41,6 +41,8 @@ import json
 import statistics
 import sys
 
+import torch
+
 from a3po.arithmetic import WORDS
 from a3po.config import PRESETS, ConfigError, preset, with_overrides
 from a3po.data import load_rows
@@ -95,6 +97,9 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
                              ppo=ppo.get("ppo", {}), oppo=oppo, update_threads=1)
     except ConfigError as e:
         return {"refused": str(e)}
+    # As a3po.pipeline does: every thread on cfg.torch_threads (without a warm start nothing else sets
+    # it, and two OpenMP threads per Python thread on 2 busy cores cost many times a step).
+    torch.set_num_threads(cfg.torch_threads)
     if args.warmstart_cache:
         from a3po.pipeline import prepare_warmstart
 
