@@ -433,11 +433,9 @@ class TrainConfig:
             if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
                 raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
                                  "or ppo.reward: model): the PPO path; the GRPO path has none")
-            if self.rollout.engine != "torch" or self.distributed.rollout_workers or self.oppo.inter:
-                # Streaming needs the torch engine's per-token hook in this process; carried-over
-                # partial sequences (inter) would need scorer caches that survive across batches.
-                raise ValueError("oppo.intra is supported with rollout.engine torch, distributed.rollout_workers 0 "
-                                 "and oppo.inter false only (intra + inter with PPO is not wired yet)")
+            if self.rollout.engine != "torch" or self.distributed.rollout_workers:
+                # Streaming needs the torch engine's per-token hook in this process.
+                raise ValueError("oppo.intra is supported with rollout.engine torch and distributed.rollout_workers 0 only")
         if self.oppo.inter and self.distributed.rollout_workers:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")

@@ -16,6 +16,11 @@ Which weights score a batch:
   full attention, ~1e-7 in fp32). With ``s >= 1`` the values come from a critic up to ``s``
   versions older than intra off's, the same staleness as the tokens themselves.
 
+With ``oppo.inter`` the producer is :class:`~a3po.overcommit.OverlapProducer`: each step's
+block is prompt + partial answer of every unfinished sample (a carried answer is rescored from its
+start with the critic of that step's version), and done samples keep their figures in the
+carry-over buffer until their group trains.
+
 The chunk size comes from a :class:`~a3po.chunk_tuner.ChunkTuner` fed with each batch's
 production time per generated token. Its pick depends on timing and chunks of another size round
 differently (~1e-7), so with ``chunk_min < chunk_max`` runs are reproducible to float rounding,

@@ -19,6 +19,12 @@ of the mean reward over the last ``window`` steps is positive, over-commit more
 (``Delta <- min(Delta_max, Delta + d_inc)``), otherwise back off
 (``Delta <- max(Delta_min, Delta - d_dec)``).
 
+With OPPO's intra-step overlap too (``oppo.intra``), the scorer threads prefill the same block
+the engine re-prefills (prompt + partial answer: a carried answer is rescored from its start in
+each step it resumes, so all its values come from one critic version) and take the new tokens chunk
+by chunk; a sample that is done keeps the figures of its whole answer (:attr:`Sample.scored`) until
+its group is trained (:func:`pack_streamed`).
+
 Everything here is plain Python state (lists, ints, floats) so the buffer checkpoints as JSON.
 """
 
@@ -93,6 +99,10 @@ class Sample:
     finished: bool = False  # ended on EOS
     done: bool = False  # finished, or reached max_new_tokens
     steps_seen: int = 0  # producer steps that decoded part of it (1 = not carried)
+    # OPPO intra + inter: what the scorer threads streamed for the whole answer in the step that
+    # finished it (per answer token "ref_logp" and "values", the reward model's "score"), and the
+    # "version" of the critic that gave the values.
+    scored: dict | None = None
 
 
 class CarryBuffer:
@@ -151,6 +161,30 @@ class CarryBuffer:
         self.completed_at = {int(g): int(s) for g, s in state["completed_at"]}
 
 
+def pack_streamed(groups: list[list[Sample]], batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The samples' streamed figures (:attr:`Sample.scored`) in the layout of :func:`pack_rollout`'s
+    ``batch``: ``ref_logp`` and ``values`` ``(N, L)`` on the answer columns (0 elsewhere, where the
+    trainer masks them out), ``scores`` ``(N,)``."""
+    samples = [s for g in groups for s in g]
+    if not samples or samples[0].scored is None:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    p = batch.prompt_len
+    for name in samples[0].scored:
+        if name == "version":
+            continue
+        if name == "score":
+            out["scores"] = torch.tensor([s.scored["score"] for s in samples], dtype=torch.float32)
+            continue
+        t = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if len(s.scored[name]) != len(s.tokens):
+                raise RuntimeError(f"group {s.group}: {len(s.scored[name])} streamed {name} for {len(s.tokens)} answer tokens")
+            t[i, p:p + len(s.tokens)] = torch.tensor(s.scored[name], dtype=torch.float32)
+        out[name] = t
+    return {k: v.to(batch.input_ids.device) for k, v in out.items()}
+
+
 def pack_rollout(groups: list[list[Sample]], pad_id: int, device: torch.device | str = "cpu") -> RolloutBatch:
     """The samples of ``groups`` as one :class:`RolloutBatch` (left-padded prompts, answers
     right-padded), keeping each token's behaviour log-prob and version."""
@@ -168,7 +202,8 @@ def pack_rollout(groups: list[list[Sample]], pad_id: int, device: torch.device |
             logp[i, p_w:p_w + len(s.tokens)] = torch.tensor(s.logp, dtype=torch.float32)
             versions[i, p_w:p_w + len(s.tokens)] = torch.tensor(s.versions)
     resp = versions >= 0
-    meta = [{**s.meta, "admitted_step": s.admitted_step, "steps_seen": s.steps_seen} for s in samples]
+    meta = [{**s.meta, "admitted_step": s.admitted_step, "steps_seen": s.steps_seen,
+             **({"scored_version": s.scored["version"]} if s.scored is not None else {})} for s in samples]
     return RolloutBatch(ids.to(device), attn.to(device), resp.to(device), logp.to(device), versions.to(device),
                         torch.tensor([s.finished for s in samples], device=device), p_w, meta)
 
@@ -210,21 +245,38 @@ class OverlapProducer(RolloutProducer):
             self.buffer.admit(self.next_group, prompts, meta, j)
             self.next_group += 1
         rows = self.buffer.active()
+        intra_metrics: dict[str, float] = {}
         if rows and len(self.buffer.complete()) < self.b:
             gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
             budget = torch.tensor([self.params.max_new_tokens - len(s.tokens) for s in rows])
+            resumed = [s.prompt + s.tokens for s in rows]
+            # Intra: the scorers prefill prompt + partial answer, as the engine does (see a3po.intra).
+            scored_on = self.engine.version  # the critic version the scorers read
+            stream = {"on_token": self.intra.begin(resumed, scored_on)} if self.intra is not None else {}
             rollout = self.engine.generate(
-                [s.prompt + s.tokens for s in rows], self.params, generator=gen, between_steps=self._between_steps(j),
-                row_budget=budget, stop_early=self._stop_when_b_complete(rows),
+                resumed, self.params, generator=gen, between_steps=self._between_steps(j),
+                row_budget=budget, stop_early=self._stop_when_b_complete(rows), **stream,
             )
+            streamed, intra_metrics = self.intra.finish(rollout.input_ids) if self.intra is not None else ({}, {})
             p = rollout.prompt_len
+            n_new = 0
             for i, s in enumerate(rows):
                 m = rollout.response_mask[i, p:].cpu()
+                n_new += int(m.sum())
                 self.buffer.extend(s, rollout.input_ids[i, p:].cpu()[m].tolist(), rollout.behav_logp[i, p:].cpu()[m].tolist(),
                                    rollout.versions[i, p:].cpu()[m].tolist(), bool(rollout.finished[i]), j)
+                if self.intra is not None and s.done:  # the whole answer sits left of column p + new tokens
+                    end = p + int(m.sum())
+                    s.scored = {"version": scored_on, **{k: streamed[k][i, end - len(s.tokens):end].cpu().tolist()
+                                                         for k in ("ref_logp", "values") if k in streamed}}
+                    if "scores" in streamed:
+                        s.scored["score"] = float(streamed["scores"][i])
+            if self.intra is not None:  # the chunk tuner's cost: producing time per generated token
+                self.intra.record(time.perf_counter() - t0, n_new, n_new / len(rows))
         gen_time = time.perf_counter() - t0
         taken = self.buffer.take(self.b)
         batch = pack_rollout(taken, self.engine.pad_token_id, model_device(self.engine.model))
+        streamed_batch = pack_streamed(taken, batch) if self.intra is not None else {}
         completions = [self.decode(r) for r in batch.responses]
         t1 = time.perf_counter()
         with grader_counts() as grader:
@@ -239,8 +291,10 @@ class OverlapProducer(RolloutProducer):
             "oppo/carried_age_max": float(max((j + 1 - s.admitted_step for s in carried if s.tokens), default=0)),
             "oppo/trained_age_max": float(max(j - m["admitted_step"] for m in batch.meta)),
             "perf/score_s": score_time,
+            **intra_metrics,
         }
-        return ScoredBatch(j, batch, rewards, completions, gen_time, grader, metrics=metrics, producer_state=self.state_dict())
+        return ScoredBatch(j, batch, rewards, completions, gen_time, grader, metrics=metrics, producer_state=self.state_dict(),
+                           streamed=streamed_batch)
 
     def _produce_next(self, j: int) -> ScoredBatch:
         self.admission.admit(self.b * self.group_size)  # the bound counts trained samples, as without OPPO

@@ -180,8 +180,12 @@ class ScorerThread(threading.Thread):
         self._result: torch.Tensor | None = None
         self._error: str | None = None
         self.busy_s = 0.0  # time spent scoring (the rest is waiting for chunks)
+        # The builder's intra-op thread count: a thread that never sets one takes whatever count was
+        # set last anywhere (e.g. a synchronous update's every-core count), oversubscribing the cores.
+        self.threads = torch.get_num_threads()
 
     def run(self) -> None:
+        torch.set_num_threads(self.threads)
         try:
             while True:
                 item = self.inbox.get()

@@ -5,16 +5,30 @@ Same preset, seed and long-tailed embedded task (``data.long_tail_frac``) per se
 * ``--path grpo`` (default): settings "off" and "inter" (the GRPO path has no scoring model, so
   no intra-step overlap);
 * ``--path ppo``: the tiny-ppo settings (GAE + critic + KL against the frozen warm start),
-  settings "off", "intra", "inter", "both". "both" (intra + inter) is refused at config time
-  (streamed scorers over carried-over partial sequences are not wired): reported as refused.
+  settings "off", "intra", "inter", "both" (intra + inter).
+
+``--max-staleness`` (default 0) is the staleness bound of the loglinear variant every setting
+runs: 0 is synchronous PPO (generate -> score -> train in turn, the paper's and TRL's baseline:
+the latency OPPO hides is on the step's critical path); 1 or more lets the producer run ahead of
+the trainer (asynchronous: generation already overlaps training, and OPPO can only hide what is
+left). Every setting runs with ``update_threads: 1`` (one intra-op thread per Python thread),
+so the comparison is the overlap alone, not a thread count (the default gives a synchronous
+update every core, oppo.inter not). The table says which side bounds each setting's step.
+
+``--chunk`` (default 16) pins intra's chunk size and ``--delta`` (default 8) pins inter's Delta: a
+run of a dozen steps would otherwise spend most of them probing chunk sizes (1 and 2 cost twice a
+step on CPU) or walking Delta up from 2 (too few spare groups to cut the tail); ``--chunk 0`` and
+``--delta -1`` measure the online tuner and the reward-slope rule instead.
 
 Per setting: median step latency (trainer period = wait + train), trainer and generator busy
-fractions (and the scorer threads' with intra), reward mean. ``--warmstart-cache DIR`` starts RL
-from the preset's supervised warm start (built there once, reused after), else from a random
-init. On the PPO path, where TRL 1.12 is importable, TRL's PPOTrainer runs the "off" setting's
-work too (same config, start, prompts and lengths; ``bench.peer_trl_ppo``) and gets a row, with
-its ratio to off and each setting's to it; elsewhere the JSON says why it was not run. TRL 1.12
-is the last release with PPO, so it has a venv of its own (``--no-trl`` skips it)::
+fractions (and the scorer threads' with intra), reward mean, answer lengths. ``--warmstart-cache
+DIR`` starts RL from the preset's supervised warm start on the same long-tailed data (built there
+once, reused after: without the long problems in its data the warm start answers them in one line
+and there is no tail), else from a random init. On the PPO path, where TRL 1.12 is importable,
+TRL's PPOTrainer runs the "off" setting's work too (same config, start, prompts and lengths;
+``bench.peer_trl_ppo``) and gets a row, with its ratio to off and each setting's to it; elsewhere
+the JSON says why it was not run. TRL 1.12 is the last release with PPO, so it has a venv of its
+own (``--no-trl`` skips it)::
 
     python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 \\
       && /work/trl112-venv/bin/pip install -e '.[bench-ppo]'
@@ -33,6 +47,8 @@ import argparse
 import json
 import statistics
 import sys
+
+import torch
 
 from a3po.arithmetic import WORDS
 from a3po.config import PRESETS, ConfigError, preset, with_overrides
@@ -56,15 +72,28 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo"
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
+    ap.add_argument("--max-staleness", type=int, default=0, help="rl.max_staleness of the loglinear variant (0: synchronous)")
+    ap.add_argument("--chunk", type=int, default=16, help="intra: pin the streamed chunk size (0: the online tuner, oppo.chunk_min..chunk_max)")
+    ap.add_argument("--delta", type=int, default=8, help="inter: pin Delta, the extra groups admitted per step (-1: the reward-slope rule)")
     ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
     ap.add_argument("--no-trl", action="store_true", help="skip TRL's PPO row (PPO path; run where TRL 1.12 is importable)")
     ap.add_argument("--trl-threads", type=int, default=0, help="TRL's intra-op threads (0: every usable core)")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
-    if args.trl_threads < 0:
-        ap.error("--trl-threads must be >= 0")
+    if args.max_staleness < 0 or args.chunk < 0 or args.delta < -1 or args.trl_threads < 0:
+        ap.error("--max-staleness, --chunk and --trl-threads must be >= 0, --delta >= -1")
     return args
+
+
+def oppo_overrides(args: argparse.Namespace, oppo: dict) -> dict:
+    """A setting's ``oppo:`` section with the bench's pins (chunk size, Delta)."""
+    out = dict(oppo)
+    if oppo.get("intra") and args.chunk:
+        out.update(chunk_min=args.chunk, chunk_max=args.chunk)
+    if oppo.get("inter") and args.delta >= 0:
+        out.update(delta_init=args.delta, delta_min=args.delta, delta_max=args.delta)
+    return out
 
 
 def setting_config(args: argparse.Namespace, oppo: dict):
@@ -72,16 +101,21 @@ def setting_config(args: argparse.Namespace, oppo: dict):
     ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
     return with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
                           rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                              "variant": "loglinear", "max_staleness": args.max_staleness,
                               "eval_every": 10**6, "checkpoint_every": 10**6},
-                          ppo=ppo.get("ppo", {}), oppo=oppo)
+                          ppo=ppo.get("ppo", {}), oppo=oppo_overrides(args, oppo), update_threads=1)
 
 
 def setting_model(args: argparse.Namespace, cfg):
     """The starting policy, tokenizer, training and held-out rows of a setting."""
+    # As a3po.pipeline does: every thread on cfg.torch_threads (without a warm start nothing else sets
+    # it, and two OpenMP threads per Python thread on 2 busy cores cost many times a step).
+    torch.set_num_threads(cfg.torch_threads)
     if args.warmstart_cache:
         from a3po.pipeline import prepare_warmstart
 
-        ws_dir, _ = prepare_warmstart(preset(args.preset), args.warmstart_cache, log=lambda s: None)
+        ws_cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail})
+        ws_dir, _ = prepare_warmstart(ws_cfg, args.warmstart_cache, log=lambda s: None)
         model, tok = load_pretrained(ws_dir)
     else:
         model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
@@ -99,13 +133,20 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     h = res.history[1:]  # the first step has nothing to overlap with
     period = [x["perf/train_s"] + x["perf/idle_s"] for x in h]
     scorer = [sum(v for k, v in x.items() if k.startswith("oppo/scorer_busy_s/")) / p for x, p in zip(h, period)]
+    trainer_busy = statistics.mean(x["perf/trainer_busy_frac"] for x in h)
     return {
         "step_s_median": statistics.median(period),
-        "trainer_busy": statistics.mean(x["perf/trainer_busy_frac"] for x in h),
+        "generate_s_median": statistics.median(x["perf/generate_s"] for x in h),
+        "train_s_median": statistics.median(x["perf/train_s"] for x in h),
+        "trainer_busy": trainer_busy,
         "generator_busy": statistics.mean(x["perf/generator_busy_frac"] for x in h),
         "scorer_busy": statistics.mean(scorer),
+        # Synchronous: generation and training take turns, the step is their sum. Asynchronous: the
+        # busier side bounds the step (the trainer never waits: training; it mostly waits: generation).
+        "bound_by": "in turn" if args.max_staleness == 0 else ("training" if trainer_busy > 0.9 else "generation"),
         "reward_mean": statistics.mean(x["reward/mean"] for x in res.history),
         "response_len": statistics.mean(x["response/length_mean"] for x in res.history),
+        "carried_mean": statistics.mean(x.get("oppo/carried", 0.0) for x in h),
         "chunk_sizes": sorted({int(x["oppo/chunk_size"]) for x in res.history if "oppo/chunk_size" in x}),
     }
 
@@ -128,23 +169,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
     trl = trl_ppo_side(args)
-    print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'trainer_busy':>13} {'gen_busy':>9} {'scorer_busy':>12} {'reward':>7} {'resp_len':>9}")
+    print(f"loglinear, max_staleness {args.max_staleness} ({'synchronous' if args.max_staleness == 0 else 'asynchronous'}), "
+          f"long_tail_frac {args.long_tail}, max_new_tokens {args.max_new_tokens}, "
+          f"chunk {args.chunk or 'tuned'}, Delta {args.delta if args.delta >= 0 else 'reward-slope rule'}")
+    print(f"{'setting':8} {'step_s':>8} {'speedup':>8} {'gen_s':>7} {'train_s':>8} {'trainer_busy':>13} {'gen_busy':>9} "
+          f"{'scorer_busy':>12} {'bound_by':>10} {'reward':>7} {'resp_len':>9}")
     off = figures["off"]["step_s_median"]
     for name, f in figures.items():
         if "refused" in f:
             print(f"{name:8} refused: {f['refused']}")
             continue
-        print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} "
-              f"{f['scorer_busy']:12.2f} {f['reward_mean']:7.3f} {f['response_len']:9.1f}")
+        print(f"{name:8} {f['step_s_median']:8.3f} {off / f['step_s_median']:8.2f} {f['generate_s_median']:7.3f} {f['train_s_median']:8.3f} "
+              f"{f['trainer_busy']:13.2f} {f['generator_busy']:9.2f} {f['scorer_busy']:12.2f} {f['bound_by']:>10} "
+              f"{f['reward_mean']:7.3f} {f['response_len']:9.1f}")
     if isinstance(trl, dict):  # speedup column: off / TRL; then each setting against TRL
-        print(f"{'TRL PPO':8} {trl['step_s_median']:8.3f} {off / trl['step_s_median']:8.2f} {trl['trainer_busy']:13.2f} "
-              f"{trl['generator_busy']:9.2f} {trl['scorer_busy']:12.2f} {trl['reward_mean']:7.3f} {trl['response_len']:9.1f}")
+        print(f"{'TRL PPO':8} {trl['step_s_median']:8.3f} {off / trl['step_s_median']:8.2f} {'-':>7} {'-':>8} {trl['trainer_busy']:13.2f} "
+              f"{trl['generator_busy']:9.2f} {trl['scorer_busy']:12.2f} {'in turn':>10} {trl['reward_mean']:7.3f} {trl['response_len']:9.1f}")
         vs_trl = {name: trl["step_s_median"] / f["step_s_median"] for name, f in figures.items() if "refused" not in f}
         print("vs TRL PPO (TRL step_s / setting step_s): " + ", ".join(f"{k} {v:.2f}x" for k, v in vs_trl.items()))
     else:
         print(f"TRL PPO  {trl}")
     speedup = {f"speedup_{name}": off / f["step_s_median"] for name, f in figures.items() if name != "off" and "refused" not in f}
-    out = {"bench": "oppo", "path": args.path, **speedup, "settings": figures,
+    out = {"bench": "oppo", "path": args.path, "max_staleness": args.max_staleness, "chunk": args.chunk, "delta": args.delta,
+           **speedup, "settings": figures,
            **({"intra": "not run (PPO path: --path ppo)"} if args.path == "grpo" else {}), "trl_ppo": trl,
            **({"vs_trl_ppo": vs_trl} if isinstance(trl, dict) else {}),
            "command": "python -m bench.oppo " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -29,9 +29,13 @@ def test_probes_every_candidate_once_then_keeps_the_fastest():
     cost = {1: 0.5, 2: 0.2, 4: 0.1, 8: 0.3}  # seconds per token: 4 is fastest
     assert [_run(t, cost) for _ in range(4)] == [1, 2, 4, 8]
     assert not t.probing and t.best == 4
-    # 3 exploit steps, then a new probe starts from the smallest candidate.
+    # 3 exploit steps, then a new probe of the best and its neighbours only.
     assert [_run(t, cost) for _ in range(3)] == [4, 4, 4]
-    assert t.probing and t.chunk_size() == 1 and t.probes == 2
+    assert t.probing and t.chunk_size() == 2 and t.probes == 2
+    cost = {1: 0.5, 2: 0.2, 4: 0.3, 8: 0.1}  # now 8 is the fastest
+    assert [_run(t, cost) for _ in range(3)] == [2, 4, 8] and t.best == 8
+    assert [_run(t, cost) for _ in range(3)] == [8, 8, 8]
+    assert [_run(t, cost) for _ in range(2)] == [4, 8]  # the top of the ladder has one neighbour
 
 
 def test_a_length_shift_triggers_a_new_probe_early():

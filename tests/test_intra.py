@@ -148,8 +148,7 @@ def test_intra_ppo_run_equals_intra_off_and_uses_the_streamed_tensors(core_stub_
 
 @pytest.mark.parametrize("overrides, match", [
     ({}, "PPO path"),  # GRPO: nothing to overlap
-    ({"ppo": PPO_MICRO["ppo"], "rl": {"advantage": "gae", "variant": "loglinear"}, "oppo": {"intra": True, "inter": True}},
-     "intra \\+ inter"),
+    ({**PPO_MICRO, "distributed": {"rollout_workers": 1}}, "rollout_workers 0"),
 ])
 def test_intra_config_refusals(overrides, match):
     with pytest.raises(ConfigError, match=match):
