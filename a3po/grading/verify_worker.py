@@ -20,10 +20,16 @@ because the imports are already in memory (fork from a single-threaded process i
 caller only has to bound its wait on the supervisor, which always answers.
 
 Each evaluator child also runs under an address-space limit, so a blow-up ends in MemoryError
-(scored as not equal) rather than in the machine swapping.
+rather than in the machine swapping. math-verify (and sympy under it) catch ``Exception`` around
+each parsing and comparison strategy and answer "not equal", and MemoryError is an Exception, so
+a starved evaluator would give zeros that look like decisions. Each call therefore runs under a
+trace function that sees every exception passing through a Python frame, caught or not
+(``_MemoryWatch``): a MemoryError seen anywhere makes the reply an error, never a verdict, and the
+supervisor replaces the child (its caches may hold what a starved parse left).
 
 Protocol: frames of a 4-byte big-endian length plus UTF-8 JSON. Requests ``{"g": gold, "p":
-prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None}``.
+prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None,
+"mem": bool}`` (``mem``: the evaluator ran short of memory; ``err`` then says so).
 The supervisor first checks its evaluator on ``1/2 == 0.5`` and sends ``{"ready": true}``, or
 ``{"ready": false, "error": why}`` and exits. This file imports only the standard library
 and math-verify, and is started by path, so it works wherever the caller runs.
@@ -87,6 +93,56 @@ def equivalent(gold: str, pred: str) -> bool:
     if not p:
         return False
     return bool(verify(g, p, timeout_seconds=None))
+
+
+class Starved(MemoryError):
+    """A MemoryError was raised during the call, even if math-verify caught it."""
+
+
+class _MemoryWatch:
+    """Sees every MemoryError raised in Python code during ``run``, including those that
+    math-verify or sympy catch (``except Exception``) and turn into "not equal".
+
+    How: ``sys.settrace`` gets an "exception" event in every frame that an exception passes
+    through, the catching frame included. Line events are off, so the cost is two small calls
+    per Python call (its "call" and "return" events): about 1.9x the evaluator's time, on the
+    symbolic path only (plain numbers never reach the worker). Filtering frames by whether they
+    can catch costs as much as it saves. The tracer allocates nothing itself; if calling it
+    fails for lack of memory, CPython removes it, which ``run`` reports too.
+    """
+
+    def __init__(self) -> None:
+        self.seen = [False]  # preallocated: setting the flag must not need memory
+
+        def on_frame_event(frame, event, arg, seen=self.seen):
+            if event == "exception" and issubclass(arg[0], MemoryError):
+                seen[0] = True
+            return on_frame_event
+
+        def on_call(frame, event, arg):
+            frame.f_trace_lines = False
+            return on_frame_event
+
+        self._on_call = on_call
+
+    def run(self, fn, *args):
+        """``fn(*args)``; raises :class:`Starved` when a MemoryError was raised inside it,
+        caught or not (an unparsed gold under starvation is starvation, not a bad gold)."""
+        self.seen[0] = False
+        sys.settrace(self._on_call)
+        try:
+            out, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the watch is off
+            out, error = None, e
+        lost = sys.gettrace() is not self._on_call  # the tracer failed for lack of memory: CPython removed it
+        sys.settrace(None)
+        if isinstance(error, MemoryError):
+            raise Starved("MemoryError") from error
+        if self.seen[0] or lost:
+            raise Starved("MemoryError caught inside math-verify" if self.seen[0] else "MemoryError in the memory watch") from error
+        if error is not None:
+            raise error
+        return out
 
 
 # ---------------------------------------------------------------- framing
@@ -169,15 +225,18 @@ def _limit_memory(memory_limit_mb: int) -> None:
 
 
 def _evaluate_forever(req_r: int, resp_w: int) -> None:
+    watch = _MemoryWatch()
     while True:
         req = read_frame(req_r)
         if req is None:
             return
         try:
-            reply = {"ok": equivalent(req["g"], req["p"]), "timeout": False, "err": None}
-        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, sympy internals
+            reply = {"ok": watch.run(equivalent, req["g"], req["p"]), "timeout": False, "err": None, "mem": False}
+        except Starved as e:  # before GoldNotParsed: a starved parse reads nothing
+            reply = {"ok": False, "timeout": False, "err": f"{e} (evaluator short of memory)", "mem": True}
+        except BaseException as e:  # noqa: BLE001 - RecursionError, sympy internals
             err = str(e) if isinstance(e, GoldNotParsed) else type(e).__name__
-            reply = {"ok": False, "timeout": False, "err": err}
+            reply = {"ok": False, "timeout": False, "err": err, "mem": False}
         write_frame(resp_w, reply)
 
 
@@ -232,6 +291,10 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
                 reply = {"ok": False, "timeout": False, "err": "evaluator died"}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))
+            else:
+                if reply.get("mem"):  # a fresh fork: nothing a starved call cached survives it
+                    child.kill()
+                    child = _Child(memory_limit_mb, (in_fd, out_fd))
             write_frame(out_fd, reply)
     finally:
         child.kill()
