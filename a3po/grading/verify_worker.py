@@ -232,7 +232,7 @@ def _evaluate_forever(req_r: int, resp_w: int) -> None:
             return
         try:
             reply = {"ok": watch.run(equivalent, req["g"], req["p"]), "timeout": False, "err": None, "mem": False}
-        except Starved as e:  # before GoldNotParsed: a starved parse reads nothing
+        except Starved as e:  # no verdict: the answer may only be the starvation's
             reply = {"ok": False, "timeout": False, "err": f"{e} (evaluator short of memory)", "mem": True}
         except BaseException as e:  # noqa: BLE001 - RecursionError, sympy internals
             err = str(e) if isinstance(e, GoldNotParsed) else type(e).__name__
