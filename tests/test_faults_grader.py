@@ -146,6 +146,55 @@ def test_memory_error_that_math_verify_catches_is_a_counted_error_not_a_zero():
     assert grading.stats()["worker_starts"] == after["worker_starts"]  # same supervisor, a new child
 
 
+# Both ways of the evaluator's memory watch, each in a forked evaluator under the limit of the
+# test above (its own size + 16 MB): a failed allocation raises a BaseException that math-verify
+# cannot catch (the default), or a trace function sees the MemoryError that it does catch (where
+# the interpreter's MemoryError cannot be replaced). Without a watch, the same call says "not equal".
+_WATCH_SCRIPT = r"""
+import json, os, resource, sys
+from a3po.grading import verify_worker as vw
+
+vw.equivalent("1", "1")  # warm, as the supervisor is before it forks
+
+def vm_size():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+def in_starved_child(mode, gold, pred):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        watch = None if mode == "none" else vw._MemoryWatch(uncatchable=mode == "uncatchable" and vw._uncatchable_memory_errors())
+        limit = vm_size() + 16 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            out = watch.run(vw.equivalent, gold, pred) if watch else vw.equivalent(gold, pred)
+        except BaseException as e:
+            out = type(e).__name__
+        os.write(w, json.dumps([out, watch.traced if watch else None]).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    return json.loads(os.read(r, 1000))
+
+print(json.dumps({mode: [in_starved_child(mode, "5", "2^{2^{28}}"), in_starved_child(mode, "\\frac{1}{2}", "0.5")]
+                  for mode in ("none", "traced", "uncatchable")}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process sizes from /proc")
+def test_both_memory_watches_turn_a_caught_memory_error_into_starved():
+    proc = subprocess.run([sys.executable, "-c", _WATCH_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # [result of 2^(2^28) vs 5, whether traced], [result of 0.5 vs 1/2, whether traced]
+    assert got["none"] == [[False, None], [True, None]]  # the silent zero the watches exist for
+    assert got["traced"] == [["Starved", True], [True, True]]
+    assert got["uncatchable"] == [["Starved", False], [True, False]]  # CPython: the free way is used
+
+
 def test_benchmark_grading_scores_zero_but_counts_the_unavailable_worker(tmp_path):
     grading.set_config(GradingConfig(worker_python=str(tmp_path / "no-such-python")))
     before = grading.stats()["errors"]
