@@ -1,5 +1,6 @@
-"""Helpers for tests that run ``a3po train`` in subprocesses (torchrun launches included) and
-compare what the runs wrote: the command's final JSON line, per-step metrics, final weights."""
+"""Helpers for tests that run ``a3po train`` in subprocesses (torchrun launches included, from
+the command line or through a flow) and compare what the runs wrote: the command's final JSON
+line, per-step metrics, final weights, the lines a flow run logged, the processes left behind."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ def step_metrics(run: dict) -> dict[int, dict[str, float]]:
     return out
 
 
+def without_timing(history_path: str | Path) -> list[dict]:
+    """The rows of a run's history JSONL (a flow's ``history_path``), timing aside."""
+    rows = [json.loads(line) for line in Path(history_path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
 def final_weights(run: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -49,3 +56,26 @@ def kill_rank_after_first_checkpoint(proc, latest: Path, rank: int = 1, timeout:
     found = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == str(rank)]
     assert len(found) == 1, found
     found[0].send_signal(signal.SIGKILL)
+
+
+def descendants() -> set[int]:
+    """Process ids of every process this one started, directly or not (to show none is left)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def flow_logs(flow_run_id) -> list[str]:
+    """Every log message of a flow run, read back from the Prefect API after the log workers drained."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:  # the API serves at most 200 logs a call
+            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(messages))
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return messages

@@ -93,14 +93,12 @@ def test_rl_train_checks_the_grader_before_the_first_step(tmp_path):
     assert not log.exists()
 
 
-@pytest.mark.xfail(strict=False, reason="known gap: math-verify swallows a MemoryError and answers 'not equal', so an "
-                   "evaluator starved by its memory limit can give uncounted zeros on some comparisons (about 1 run in 6)")
 def test_evaluator_that_cannot_work_under_its_memory_limit_raises_for_rewards():
-    # 1 MB of address space: depending on the allocator's state the evaluator either fails the
-    # worker's start-up self-check or dies on every comparison; rewards must raise either way.
-    # On some runs (about one in five) the evaluator gets through some comparisons under the limit
-    # and the batch is not wholly failed; then every wrong score must be a counted worker error
-    # (grader/worker_errors in the step's metrics): what may never happen is a silent zero.
+    # 1 MB of address space: depending on the allocator's state the evaluator fails the worker's
+    # start-up self-check, or fails every comparison, or gets through some of them under the
+    # limit (math-verify then catches the MemoryError of the others and would answer "not
+    # equal"). Rewards raise in the first two cases; in the third every wrong score must be a
+    # counted worker error (grader/worker_errors in the step's metrics): never a silent zero.
     grading.set_config(GradingConfig(memory_limit_mb=1))
     answers = [f"#### {f}" for f in FRACTIONS]
     errors_before = grading.stats()["errors"]
@@ -115,6 +113,86 @@ def test_evaluator_that_cannot_work_under_its_memory_limit_raises_for_rewards():
     # 2/3 is not 0.666): the failure above is the limit's, not the inputs'.
     grading.set_config(GradingConfig(memory_limit_mb=0))
     assert score_completions("gsm8k", answers, ["0.75", "0.5", "0.666", "1.25"]) == [1.0, 1.0, 0.0, 1.0]
+
+
+def _vm_size_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmSize in /proc/{pid}/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process sizes from /proc")
+def test_memory_error_that_math_verify_catches_is_a_counted_error_not_a_zero():
+    # Deterministic starvation: an address-space limit 16 MB above the evaluator's own size
+    # (its size at fork is its supervisor's) leaves room for ordinary answers, not for
+    # 2^(2^28), a 32 MB integer that sympy builds when it evaluates the answer. math-verify
+    # catches that MemoryError and answers "not equal"; the grader must report it instead.
+    grading.set_config(GradingConfig(memory_limit_mb=0))
+    grading.warmup()
+    limit_mb = int(_vm_size_mb(grading.worker_pid())) + 16
+    grading.set_config(GradingConfig(memory_limit_mb=limit_mb))
+    assert grading.grade("math500", "\\boxed{\\frac{1}{2}}", "0.5").score == 1.0  # passes the self-check, grades
+    before = grading.stats()
+    r = grading.grade("math500", "\\boxed{2^{2^{28}}}", "5")
+    after = grading.stats()
+    assert (r.score, r.path, r.timed_out, r.worker_error) == (0.0, "math_verify", False, True), r
+    assert "short of memory" in r.error, r.error
+    assert (after["errors"] - before["errors"], after["timeouts"] - before["timeouts"]) == (1, 0)
+    # Afterwards the same limit still grades ordinary answers, with the same supervisor.
+    assert grading.grade("math500", "\\boxed{\\frac{3}{4}}", "0.75").score == 1.0
+    assert grading.grade("math500", "\\boxed{\\frac{2}{3}}", "0.666").score == 0.0
+    assert grading.stats()["errors"] == after["errors"]
+    assert grading.stats()["worker_starts"] == after["worker_starts"]  # same supervisor, a new child
+
+
+# Both ways of the evaluator's memory watch, each in a forked evaluator under the limit of the
+# test above (its own size + 16 MB): a failed allocation raises a BaseException that math-verify
+# cannot catch (the default), or a trace function sees the MemoryError that it does catch (where
+# the interpreter's MemoryError cannot be replaced). Without a watch, the same call says "not equal".
+_WATCH_SCRIPT = r"""
+import json, os, resource, sys
+from a3po.grading import verify_worker as vw
+
+vw.equivalent("1", "1")  # warm, as the supervisor is before it forks
+
+def vm_size():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+def in_starved_child(mode, gold, pred):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        watch = None if mode == "none" else vw._MemoryWatch(uncatchable=mode == "uncatchable" and vw._uncatchable_memory_errors())
+        limit = vm_size() + 16 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            out = watch.run(vw.equivalent, gold, pred) if watch else vw.equivalent(gold, pred)
+        except BaseException as e:
+            out = type(e).__name__
+        os.write(w, json.dumps([out, watch.traced if watch else None]).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    return json.loads(os.read(r, 1000))
+
+print(json.dumps({mode: [in_starved_child(mode, "5", "2^{2^{28}}"), in_starved_child(mode, "\\frac{1}{2}", "0.5")]
+                  for mode in ("none", "traced", "uncatchable")}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process sizes from /proc")
+def test_both_memory_watches_turn_a_caught_memory_error_into_starved():
+    proc = subprocess.run([sys.executable, "-c", _WATCH_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # [result of 2^(2^28) vs 5, whether traced], [result of 0.5 vs 1/2, whether traced]
+    assert got["none"] == [[False, None], [True, None]]  # the silent zero the watches exist for
+    assert got["traced"] == [["Starved", True], [True, True]]
+    assert got["uncatchable"] == [["Starved", False], [True, False]]  # CPython: the free way is used
 
 
 def test_benchmark_grading_scores_zero_but_counts_the_unavailable_worker(tmp_path):

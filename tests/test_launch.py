@@ -26,6 +26,7 @@ import pytest
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
 from a3po.launch import LaunchMode, LaunchSpec, RankFailure, launch, launch_spec, launcher_commands, read_hostfile  # noqa: E402
+from cli_runs import descendants, flow_logs, without_timing  # noqa: E402
 
 PROBE = ["-m", "a3po.launch_probe"]
 
@@ -41,21 +42,6 @@ def _running(pid: int) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE and "a3po.launch_probe" in " ".join(p.cmdline())
     except psutil.Error:
         return False
-
-
-def _flow_logs(flow_run_id) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=30)
-    messages: list[str] = []
-    with get_client(sync_client=True) as client:
-        while True:  # the API serves at most 200 logs a call
-            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(messages))
-            messages += [log.message for log in page]
-            if len(page) < 200:
-                return messages
 
 
 def test_two_ranks_through_the_prefect_task_stream_into_flow_logs(prefect_server, tmp_path):
@@ -74,7 +60,7 @@ def test_two_ranks_through_the_prefect_task_stream_into_flow_logs(prefect_server
     run_id, rec = probe_flow()
     assert rec["topology"] == {"mode": "torchrun", "nodes": 1, "ranks_per_node": 2, "world_size": 2, "devices": "cpu", "zero_stage": None}
     assert rec["exit_codes"] == {0: 0}
-    logs = _flow_logs(run_id)
+    logs = flow_logs(run_id)
     for rank in (0, 1):
         for step in (1, 2, 3):
             # all-reduce of the ranks 0 + 1 = 1, on each rank; stdout and stderr both arrive
@@ -89,7 +75,7 @@ def test_sigkilled_rank_fails_the_task_naming_it_and_leaves_nothing_running(pref
 
     from tasks.launch import launch_ranks
 
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
 
     @flow(name="launch-probe-crash")
     def crash_flow() -> None:
@@ -105,9 +91,9 @@ def test_sigkilled_rank_fails_the_task_naming_it_and_leaves_nothing_running(pref
     assert msg.startswith("rank 1 (node 0, local rank 1) failed with exit signal 9 (SIGKILL)"), msg
     assert "probe rank 1 crashing at step 2 with KILL" in msg  # its last output lines
     assert err.rank == 1 and err.exitcode == -9
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    left = descendants() - before
     assert not left, [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
-    pids = _probe_pids(_flow_logs(state.state_details.flow_run_id))
+    pids = _probe_pids(flow_logs(state.state_details.flow_run_id))
     assert len(pids) == 2 and not any(_running(p) for p in pids)
 
 
@@ -115,7 +101,7 @@ def test_sigkilled_rank_fails_the_task_naming_it_and_leaves_nothing_running(pref
 def test_killed_launcher_takes_its_orphaned_ranks_with_it():
     """torchrun starts its workers in new sessions: when torchrun itself is SIGKILLed, only the
     launcher's record of descendants can stop them."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
     lines: list[str] = []
     killed = threading.Event()
 
@@ -132,7 +118,7 @@ def test_killed_launcher_takes_its_orphaned_ranks_with_it():
     assert str(exc.value).startswith("the launcher of node 0 failed with exit signal 9 (SIGKILL)"), str(exc.value)
     pids = _probe_pids(lines)
     assert len(pids) == 2 and not any(_running(p) for p in pids)  # the orphans were stopped
-    assert not ({p.pid for p in psutil.Process().children(recursive=True)} - before)
+    assert not (descendants() - before)
 
 
 def test_two_loopback_nodes_form_one_world(tmp_path):
@@ -195,16 +181,6 @@ def test_launcher_command_lines(tmp_path):
                                      "--master-addr", "10.0.0.1", "--master-port", "29400", "--tee", "3", "--max-restarts", "0", "train.py", "--x"]
 
 
-TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
-
-
-def _without_timing(history_path: str) -> list[dict]:
-    import json
-
-    rows = [json.loads(line) for line in Path(history_path).read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
 @pytest.mark.slow
 def test_launched_training_equals_in_process_training_and_records_topology(prefect_server, tmp_path):
     """The flow's torchrun path (one rank: today's trainer is single-process) runs
@@ -224,8 +200,8 @@ def test_launched_training_equals_in_process_training_and_records_topology(prefe
     assert Path(t_run["final_dir"]).parent.parent == Path(t_run["run_dir"])  # the CLI wrote into the run dir
     assert (Path(t_run["run_dir"]) / "config.yaml").exists()
     assert t_run["final_acc"] == l_run["final_acc"] and t_run["warmstart_acc"] == l_run["warmstart_acc"]
-    assert _without_timing(t_run["history_path"]) == _without_timing(l_run["history_path"])
-    assert len(_without_timing(t_run["history_path"])) == 4
+    assert without_timing(t_run["history_path"]) == without_timing(l_run["history_path"])
+    assert len(without_timing(t_run["history_path"])) == 4
 
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["launch"])
@@ -245,7 +221,7 @@ def test_deepspeed_launcher_streams_per_rank_logs_and_stops_all_on_a_dead_rank()
     """The real DeepSpeed launcher (CPU accelerator, 2 local ranks): lines per rank from its
     per-rank log files; a SIGKILLed rank: its code comes back through the launcher's exit
     status (247 = -9), the others are stopped, nothing is left."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
     got: dict = {0: [], 1: [], None: []}
     spec = LaunchSpec(mode="deepspeed", num_gpus=2, grace_s=5)
     res = launch(spec, [*PROBE, "--steps", "2"], on_line=lambda r, t: got[r].append(t))
@@ -258,4 +234,4 @@ def test_deepspeed_launcher_streams_per_rank_logs_and_stops_all_on_a_dead_rank()
     assert str(exc.value).startswith("the DeepSpeed launcher (a rank) failed with exit signal 9 (SIGKILL)"), str(exc.value)
     pids = _probe_pids(lines)
     assert len(pids) == 2 and not any(_running(p) for p in pids)
-    assert not ({p.pid for p in psutil.Process().children(recursive=True)} - before)
+    assert not (descendants() - before)

@@ -30,11 +30,11 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect
 
 from a3po.distributed import deepspeed_available  # noqa: E402
 from a3po.launch import LaunchSpec, launch_spec  # noqa: E402
+from cli_runs import descendants, flow_logs, without_timing  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = "infra/deepspeed_zero2.json"
 ZERO1 = "infra/deepspeed_zero1.json"
-TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
 needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
 
 
@@ -104,11 +104,6 @@ def test_fanout_record_from_another_flow_run_is_refused(tmp_path):
 # --- slow: DeepSpeed ranks through the flow ---------------------------------------------------
 
 
-def _without_timing(history_path: str | Path) -> list[dict]:
-    rows = [json.loads(line) for line in Path(history_path).read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
 def _final_weights(run: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -120,21 +115,6 @@ def _same_weights(a: dict, b: dict) -> bool:
 
     wa, wb = _final_weights(a), _final_weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def _flow_logs(flow_run_id) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=30)
-    messages: list[str] = []
-    with get_client(sync_client=True) as client:
-        while True:  # the API serves at most 200 logs a call
-            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(messages))
-            messages += [log.message for log in page]
-            if len(page) < 200:
-                return messages
 
 
 def _common(tmp_path, experiment: str, steps: int = 4) -> dict:
@@ -157,8 +137,8 @@ def test_two_loopback_nodes_and_one_node_of_two_zero2_ranks_train_alike_and_reco
                                  launch={"mode": "torchrun", "nnodes": 2, "nodes": [0, 1], "nproc_per_node": 1, "master_addr": "127.0.0.1"})
     (a,), (b,) = one_node["runs"], two_nodes["runs"]
     # One world of 2 ranks either way: the same shards, the same all-reduces, the same run.
-    assert len(_without_timing(a["history_path"])) == 4
-    assert _without_timing(a["history_path"]) == _without_timing(b["history_path"])
+    assert len(without_timing(a["history_path"])) == 4
+    assert without_timing(a["history_path"]) == without_timing(b["history_path"])
     assert a["final_acc"] == b["final_acc"] and _same_weights(a, b)
 
     mlflow.set_tracking_uri(common["tracking_uri"])
@@ -176,7 +156,7 @@ def test_two_loopback_nodes_and_one_node_of_two_zero2_ranks_train_alike_and_reco
         assert [m.step for m in MlflowClient(common["tracking_uri"]).get_metric_history(run["mlflow_run_id"], "reward/mean")] == [1, 2, 3, 4]
         # What the ranks themselves found (a3po train's last line, printed by rank 0), and rank 1 ran too.
         flow_run_id = parent["tags.prefect.flow_run_id"]
-        logs = _flow_logs(flow_run_id)
+        logs = flow_logs(flow_run_id)
         reported = [json.loads(m[len("[rank 0] "):]) for m in logs if m.startswith('[rank 0] {"variant"')]
         assert [(r["world_size"], r["zero_stage"]) for r in reported] == [(2, 2)], reported
         assert any(m.startswith("[rank 1] ") for m in logs)
@@ -208,7 +188,7 @@ def test_sigkilled_rank_fails_the_flow_naming_it_and_the_rerun_resumes_to_the_un
     uninterrupted = compare_variants(**common, output_dir=str(tmp_path / "uninterrupted"), launch=launch)
 
     out = tmp_path / "killed-run"
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
     killed: dict = {}
 
     def kill_rank1_after_the_first_checkpoint() -> None:
@@ -237,13 +217,13 @@ def test_sigkilled_rank_fails_the_flow_naming_it_and_the_rerun_resumes_to_the_un
     assert killed["step"] < steps, "the run had finished before the kill"
     time.sleep(1)
     assert not _processes_naming(str(out)), [p.cmdline() for p in _processes_naming(str(out))]
-    assert not ({p.pid for p in psutil.Process().children(recursive=True)} - before)
+    assert not (descendants() - before)
 
     rerun = compare_variants(**common, output_dir=str(out), launch=launch)
     (r,), (u,) = rerun["runs"], uninterrupted["runs"]
     assert r["resumed_from"] is not None and 2 <= r["resumed_from"] < steps, r["resumed_from"]
-    assert len(_without_timing(r["history_path"])) == steps
-    assert _without_timing(r["history_path"]) == _without_timing(u["history_path"])
+    assert len(without_timing(r["history_path"])) == steps
+    assert without_timing(r["history_path"]) == without_timing(u["history_path"])
     assert r["final_acc"] == u["final_acc"] and _same_weights(r, u)
 
     # MLflow: the killed attempt's child FAILED, the re-run's child FINISHED with every step.

@@ -24,6 +24,9 @@ for one block of one thread (the RL trainer logs them per step as ``grader/*``).
 A worker that cannot start (no math-verify for its interpreter, or an evaluator that fails its
 self-check, e.g. under too small a ``memory_limit_mb``) scores 0 and counts as a worker error for
 benchmark evaluation; with ``strict=True`` (RL rewards) it raises :class:`GraderUnavailable`.
+An evaluator that runs short of memory during a comparison (a MemoryError, even one that
+math-verify catches and would answer "not equal") gives a worker error, never a verdict
+(``a3po.grading.verify_worker``), so a starved grader's zeros are always counted.
 """
 
 from __future__ import annotations
@@ -203,6 +206,12 @@ def warmup() -> None:
     """Start the math-verify worker now rather than on the first symbolic comparison (~1 s).
     Raises :class:`GraderUnavailable` (naming the reason) when it cannot start."""
     _get_verifier().start()
+
+
+def worker_pid() -> int | None:
+    """Process id of the running math-verify supervisor, else None (for diagnostics and tests:
+    its evaluator children are forks of it, so its size is theirs when they start)."""
+    return _verifier.pid if _verifier is not None else None
 
 
 def needs_worker(task: str) -> bool:

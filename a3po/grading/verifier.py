@@ -67,6 +67,12 @@ class Verifier:
         with self._lock:
             self._kill()
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running supervisor (its evaluator child is a fork of it), else None."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
     def _ensure_started(self) -> subprocess.Popen:
         if self._owner_pid != os.getpid():  # we are a forked copy: the process is our parent's
             self._proc, self._owner_pid = None, os.getpid()

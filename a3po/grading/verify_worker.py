@@ -20,10 +20,17 @@ because the imports are already in memory (fork from a single-threaded process i
 caller only has to bound its wait on the supervisor, which always answers.
 
 Each evaluator child also runs under an address-space limit, so a blow-up ends in MemoryError
-(scored as not equal) rather than in the machine swapping.
+rather than in the machine swapping. math-verify (and sympy under it) catch ``Exception`` around
+each parsing and comparison strategy and answer "not equal", and MemoryError is an Exception, so
+a starved evaluator would give zeros that look like decisions. So in the child a failed
+allocation raises a BaseException instead, which those handlers let through (or, where the
+interpreter does not allow that, a trace function watches for MemoryError: ``_MemoryWatch``):
+an allocation failure anywhere makes the reply an error, never a verdict, and the supervisor
+replaces the child (its caches may hold what a starved parse left).
 
 Protocol: frames of a 4-byte big-endian length plus UTF-8 JSON. Requests ``{"g": gold, "p":
-prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None}``.
+prediction, "t": timeout_s}``; replies ``{"ok": bool, "timeout": bool, "err": str | None,
+"mem": bool}`` (``mem``: the evaluator ran short of memory; ``err`` then says so).
 The supervisor first checks its evaluator on ``1/2 == 0.5`` and sends ``{"ready": true}``, or
 ``{"ready": false, "error": why}`` and exits. This file imports only the standard library
 and math-verify, and is started by path, so it works wherever the caller runs.
@@ -89,6 +96,90 @@ def equivalent(gold: str, pred: str) -> bool:
     return bool(verify(g, p, timeout_seconds=None))
 
 
+class Starved(MemoryError):
+    """A MemoryError was raised during the call, even if math-verify caught it."""
+
+
+class _OutOfMemory(BaseException):
+    """What a failed allocation raises in the evaluator instead of MemoryError (see
+    ``_uncatchable_memory_errors``): a BaseException, so ``except Exception`` lets it through."""
+
+    created = [False]  # preallocated: set on creation, even if a bare ``except:`` swallows it later
+
+    def __init__(self, *args) -> None:  # BaseException.__new__ has stored args already
+        _OutOfMemory.created[0] = True
+
+
+def _uncatchable_memory_errors() -> bool:
+    """Make CPython raise ``_OutOfMemory`` where it would raise MemoryError (a failed allocation,
+    in C or Python code), in this process: it writes the class into the interpreter's
+    ``PyExc_MemoryError`` pointer, which every allocation failure reads. For the evaluator child
+    only (a fork that does nothing else). False where it cannot (not CPython, no ctypes)."""
+    try:
+        import ctypes
+
+        slot = ctypes.c_void_p.in_dll(ctypes.pythonapi, "PyExc_MemoryError")
+    except (ImportError, AttributeError, ValueError, OSError):
+        return False
+    if slot.value != id(MemoryError):  # not the interpreter layout this relies on
+        return False
+    slot.value = id(_OutOfMemory)  # the class lives as long as this module: the borrowed pointer stays valid
+    return True
+
+
+class _MemoryWatch:
+    """Sees every allocation failure during ``run``, including those that math-verify or sympy
+    would catch (``except Exception``) and turn into "not equal" or "no parse".
+
+    Two ways, the first where it works:
+
+    - ``_uncatchable_memory_errors``: failed allocations raise ``_OutOfMemory``, which no
+      ``except Exception`` catches; one swallowed by a bare ``except:`` is still seen, since
+      creating it sets a flag. Costs nothing per call.
+    - otherwise ``sys.settrace``: an "exception" event in every frame that a MemoryError passes
+      through, the catching frame included (line events off). Costs 2-3x the evaluator's time
+      on symbolic comparisons (1.9x on bench.grading's fixtures, 2.7x on real MATH answers).
+      The tracer allocates nothing; if calling it fails for lack of memory, CPython removes
+      it, which ``run`` reports too.
+    """
+
+    def __init__(self, uncatchable: bool) -> None:
+        self.traced = not uncatchable
+        self.seen = [False]  # preallocated: setting the flag must not need memory
+
+        def on_frame_event(frame, event, arg, seen=self.seen):
+            if event == "exception" and issubclass(arg[0], MemoryError):
+                seen[0] = True
+            return on_frame_event
+
+        def on_call(frame, event, arg):
+            frame.f_trace_lines = False
+            return on_frame_event
+
+        self._on_call = on_call
+
+    def run(self, fn, *args):
+        """``fn(*args)``; raises :class:`Starved` when an allocation failed inside it, caught or
+        not (an unparsed gold under starvation is starvation, not a bad gold)."""
+        self.seen[0] = _OutOfMemory.created[0] = False
+        if self.traced:
+            sys.settrace(self._on_call)
+        try:
+            out, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the watch is off
+            out, error = None, e
+        lost = self.traced and sys.gettrace() is not self._on_call  # the tracer failed for lack of memory
+        if self.traced:
+            sys.settrace(None)
+        if isinstance(error, (MemoryError, _OutOfMemory)):
+            raise Starved("MemoryError") from error
+        if self.seen[0] or _OutOfMemory.created[0] or lost:
+            raise Starved("MemoryError caught inside math-verify" if not lost else "MemoryError in the memory watch") from error
+        if error is not None:
+            raise error
+        return out
+
+
 # ---------------------------------------------------------------- framing
 
 
@@ -138,8 +229,9 @@ class _Child:
             try:
                 for fd in (*close_in_child, self.req_w, self.resp_r):
                     os.close(fd)
+                uncatchable = _uncatchable_memory_errors()  # before the limit: it imports ctypes
                 _limit_memory(memory_limit_mb)
-                _evaluate_forever(req_r, resp_w)
+                _evaluate_forever(req_r, resp_w, uncatchable)
             finally:
                 os._exit(0)
         self.pid = pid
@@ -168,16 +260,19 @@ def _limit_memory(memory_limit_mb: int) -> None:
         pass  # best effort: the timeout still bounds the call
 
 
-def _evaluate_forever(req_r: int, resp_w: int) -> None:
+def _evaluate_forever(req_r: int, resp_w: int, uncatchable: bool) -> None:
+    watch = _MemoryWatch(uncatchable)
     while True:
         req = read_frame(req_r)
         if req is None:
             return
         try:
-            reply = {"ok": equivalent(req["g"], req["p"]), "timeout": False, "err": None}
-        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, sympy internals
+            reply = {"ok": watch.run(equivalent, req["g"], req["p"]), "timeout": False, "err": None, "mem": False}
+        except (Starved, _OutOfMemory) as e:  # no verdict (an _OutOfMemory here: even Starved found no memory)
+            reply = {"ok": False, "timeout": False, "err": f"{str(e) or 'MemoryError'} (evaluator short of memory)", "mem": True}
+        except BaseException as e:  # noqa: BLE001 - RecursionError, sympy internals
             err = str(e) if isinstance(e, GoldNotParsed) else type(e).__name__
-            reply = {"ok": False, "timeout": False, "err": err}
+            reply = {"ok": False, "timeout": False, "err": err, "mem": False}
         write_frame(resp_w, reply)
 
 
@@ -206,6 +301,7 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" is by design
     equivalent("1", "1")  # import latex2sympy, antlr and sympy before forking: children start warm
+    import ctypes  # noqa: F401 - likewise for _uncatchable_memory_errors in each child
     child = _Child(memory_limit_mb, (in_fd, out_fd))
     problem = _self_check(child, memory_limit_mb)
     if problem is not None:
@@ -232,6 +328,10 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
                 reply = {"ok": False, "timeout": False, "err": "evaluator died"}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))
+            else:
+                if reply.get("mem"):  # a fresh fork: nothing a starved call cached survives it
+                    child.kill()
+                    child = _Child(memory_limit_mb, (in_fd, out_fd))
             write_frame(out_fd, reply)
     finally:
         child.kill()
