@@ -24,6 +24,9 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect
 from a3po.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm  # noqa: E402
 from a3po.config import ConfigError, preset, with_overrides  # noqa: E402
 from a3po.metrics import valid_metric_key  # noqa: E402
+# Prefect sets up its console log handler on import: here, not under a test's captured stderr
+# (capsys closes that stream, and the flow test would log into it).
+from flows.compare_variants import compare_variants, parse_sets, variant_config  # noqa: E402
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
 
@@ -62,8 +65,6 @@ def test_both_is_refused_by_the_config_until_intra_and_inter_are_wired_together(
 
 
 def test_per_arm_overrides_from_set_and_the_flow_parameter(capsys):
-    from flows.compare_variants import parse_sets, variant_config
-
     _, per = parse_sets(["loglinear:rl.lr=1e-3", "loglinear+oppo-inter:rl.lr=2e-3"])
     assert per == {"loglinear": {"lr": 1e-3}, "loglinear+oppo-inter": {"lr": 2e-3}}
     base = preset("micro")
@@ -130,8 +131,6 @@ PER_STEP_ARM = {
 def test_compare_flow_runs_oppo_arms_and_ships_their_per_step_records(prefect_server, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
-
-    from flows.compare_variants import compare_variants
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     steps = 4
