@@ -148,6 +148,7 @@ class ScoredBatch:
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
     metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
     producer_state: dict | None = None  # JSON state after producing this batch (OPPO carry-over), for checkpoints
+    intra_state: dict | None = None  # JSON state of OPPO intra's chunk tuner after this batch, for checkpoints
     streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # scored while decoding (OPPO intra: ref_logp, values, scores)
 
 
@@ -237,7 +238,7 @@ class RolloutProducer(threading.Thread):
         t2 = time.perf_counter()
         checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
         return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks, **intra_metrics},
-                           streamed=streamed)
+                           streamed=streamed, intra_state=self.intra.state_dict() if self.intra is not None else None)
 
     def run(self) -> None:
         torch.set_num_threads(self.threads)

@@ -24,8 +24,10 @@ carry-over buffer until their group trains.
 The chunk size comes from a :class:`~a3po.chunk_tuner.ChunkTuner` fed with each batch's
 production time per generated token. Its pick depends on timing and chunks of another size round
 differently (~1e-7), so with ``chunk_min < chunk_max`` runs are reproducible to float rounding,
-not bit for bit; pin ``chunk_min = chunk_max`` for bitwise reproducible (and resumable) runs. The
-tuner's state is not checkpointed (a resumed run re-probes).
+not bit for bit; pin ``chunk_min = chunk_max`` for bitwise reproducible runs. The tuner's state
+after each batch travels with it (``ScoredBatch.intra_state``) and the checkpoint keeps the last
+trained batch's, so a resumed run continues the tuner's schedule (probe or exploit, costs, steps
+since the probe) where it was.
 """
 
 from __future__ import annotations
@@ -120,6 +122,13 @@ class IntraScoring:
 
     def record(self, seconds: float, generated_tokens: int, mean_length: float) -> None:
         self.tuner.record(seconds, generated_tokens, mean_length)
+
+    def state_dict(self) -> dict:
+        """JSON-able state: the chunk tuner's (the critic versions are checkpointed apart)."""
+        return {"chunk_tuner": self.tuner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tuner.load_state_dict(state["chunk_tuner"])
 
     def close(self) -> None:
         if self.critic_store is not None:

@@ -294,7 +294,7 @@ class OverlapProducer(RolloutProducer):
             **intra_metrics,
         }
         return ScoredBatch(j, batch, rewards, completions, gen_time, grader, metrics=metrics, producer_state=self.state_dict(),
-                           streamed=streamed_batch)
+                           streamed=streamed_batch, intra_state=self.intra.state_dict() if self.intra is not None else None)
 
     def _produce_next(self, j: int) -> ScoredBatch:
         self.admission.admit(self.b * self.group_size)  # the bound counts trained samples, as without OPPO

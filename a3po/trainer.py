@@ -200,6 +200,8 @@ def _start_intra(cfg: TrainConfig, ppo: PPOParts, tokenizer, state: dict | None,
     intra = IntraScoring(ppo, cfg.oppo, tokenizer.pad_token_id, keep=effective_max_staleness(cfg.rl) + 2)
     for v, w in sorted((state or {}).get("intra_critic_history", {}).items()):
         intra.critic_store.publish(int(v), w)
+    if (state or {}).get("intra_state") is not None:  # the chunk tuner continues its schedule
+        intra.load_state_dict(state["intra_state"])
     if intra.critic_store is not None and intra.critic_store.latest < start:
         intra.publish_critic(start, ppo.critic)
     return intra
@@ -355,7 +357,7 @@ def rl_train(
     producer = ROLLOUT_PLACEMENTS.get(placement_name(cfg.distributed))(rollout_inputs, store, start, ranks)
     if cfg.oppo.inter and state is not None:
         producer.load_state_dict(state["oppo_state"])  # the carry-over buffer as it was before batch `start`
-    producer_state = None
+    producer_state = intra_state = None
     train_threads = update_threads(cfg)
     producer.start()
     t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
@@ -378,7 +380,7 @@ def rl_train(
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
             metrics.update(scored.metrics)
             metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
-            producer_state = scored.producer_state
+            producer_state, intra_state = scored.producer_state, scored.intra_state
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 held = ranks.from_main(heldout() if ranks.is_main else None)
                 eval_curve.append((step + 1, held["eval/heldout_acc"]))
@@ -403,7 +405,8 @@ def rl_train(
                         "warmstart_acc": warmstart_acc,
                         "config": config_to_dict(cfg),
                         **({"oppo_state": producer_state} if cfg.oppo.inter else {}),
-                        **({"intra_critic_history": intra.critic_history(since=step + 1 - s)} if intra is not None else {}),
+                        **({"intra_critic_history": intra.critic_history(since=step + 1 - s),
+                            "intra_state": intra_state} if intra is not None else {}),
                         **ppo.state(),
                     },
                     keep=rl.keep_checkpoints,

@@ -3,6 +3,7 @@
     python -m flows.compare_variants                      # tiny preset, all three variants
     python -m flows.compare_variants --preset micro       # seconds: plumbing only, nothing learns
     python -m flows.compare_variants --variants loglinear,recompute --seeds 0,1 --steps 60
+    python -m flows.compare_variants --variants loglinear --oppo off,inter --set data.long_tail_frac=0.25 --set rl.max_new_tokens=64
 
 The pipeline, one line per task:
 
@@ -38,6 +39,7 @@ import yaml
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
+from a3po.arms import OPPO_MODES, arm_config, arm_name, expand_arms, parse_arm
 from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
 from a3po.devices import Device, DType
 from a3po.launch import LaunchMode, LaunchSpec, launch_spec
@@ -98,8 +100,12 @@ def output_folder(preset: str, output_dir: str | None) -> Path:
     return Path((output_dir or f"runs/compare-{preset}").replace("{date}", f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")).resolve()
 
 
-def variant_config(base: TrainConfig, variant: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
-    return with_overrides(base, rl={**(variant_overrides or {}).get(variant, {}), "variant": variant, "seed": seed})
+def variant_config(base: TrainConfig, arm: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
+    """The config of one arm (a variant, or ``<variant>+oppo-<mode>``: a3po.arms) and seed;
+    ``variant_overrides`` keyed by the variant apply to all its arms, keyed by the arm to that one."""
+    vo = variant_overrides or {}
+    variant, _ = parse_arm(arm)
+    return arm_config(base, arm, seed, {**vo.get(variant, {}), **(vo.get(arm, {}) if arm != variant else {})})
 
 
 def run_comparison(
@@ -121,7 +127,9 @@ def run_comparison(
     """The comparison body shared by the flows: one record per variant x seed. ``launch`` (not
     local): each training runs as ranks of ``python -m a3po.cli train`` (tasks.training.train_launched).
     ``fanout_deployment``: each variant x seed runs as a run of that ``train-one`` deployment,
-    all submitted at once, on the workers of its pool (flows.train_one); else here, in turn."""
+    all submitted at once, on the workers of its pool (flows.train_one); else here, in turn.
+    ``variants`` are arms (a3po.arms): ``loglinear``, ``loglinear+oppo-inter``, ...; each record's
+    ``arm`` is the name of the config that ran (a3po.arms.arm_name)."""
     # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
     data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
     base = with_prepared_data(base, data)
@@ -131,7 +139,7 @@ def run_comparison(
             (variant_config(base, variant, seed, variant_overrides) for variant in variants for seed in seeds)]
     if fanout_deployment:
         return fan_out(fanout_deployment, [
-            (f"{cfg.rl.variant.value} seed {cfg.rl.seed}", run_dir, dict(
+            (f"{arm_name(cfg)} seed {cfg.rl.seed}", run_dir, dict(
                 config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
                 tracking=dataclasses.asdict(tracking), benchmarks=benchmarks, data_dir=data_dir, bench_limit=bench_limit,
                 bench_max_new_tokens=bench_max_new_tokens, system_metrics_interval_s=system_metrics_interval_s,
@@ -158,6 +166,7 @@ def launch_params(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, Any]]:
 def compare_variants(
     preset: str = "tiny",
     variants: list[str] = DEFAULT_VARIANTS,
+    oppo: list[str] | None = None,
     seeds: list[int] = [0],
     steps: int | None = None,
     max_staleness: int | None = None,
@@ -186,7 +195,11 @@ def compare_variants(
     """Train and evaluate ``variants`` x ``seeds`` from one warm start; compare them.
 
     preset: built-in config (tiny: learns in minutes on CPU; micro: seconds, plumbing only).
-    variants: any of sync, recompute, loglinear. seeds: RL seeds (paired across variants).
+    variants: any of sync, recompute, loglinear. oppo: OPPO modes (off, intra, inter, both;
+    a3po.arms) compared like the variants: each variant runs once per mode, as the arm
+    ``<variant>`` (off) or ``<variant>+oppo-<mode>``; None (default): as the config says.
+    A mode the config cannot run (intra on the GRPO path, both) fails here, naming the field.
+    seeds: RL seeds (paired across variants and modes).
     steps / max_staleness / checkpoint_every: override ``rl.*``. model: built-in arch or HF path.
     dataset: folder with train.jsonl and heldout.jsonl ({id, prompt, gold[, solution]}).
     task: grading task of the dataset (arith, gsm8k, math500, aime24). config: YAML TrainConfig.
@@ -212,22 +225,22 @@ def compare_variants(
     spec = launch_spec(launch)  # raises naming the field, before anything runs
     base = build_config(preset, config, model, dataset, task, steps, max_staleness, checkpoint_every, overrides, torch_threads)
     spec = launch_for_config(spec, base)  # the ZeRO stage the ranks will run, for the record
-    for v in variants:
-        Variant(v)  # raises on an unknown name
+    # The arms by the name of the config each builds; an unknown name or unsupported combination raises here.
+    arms = list(dict.fromkeys(arm_name(variant_config(base, a, seeds[0] if seeds else 0, variant_overrides)) for a in expand_arms(variants, oppo)))
     out = output_folder(preset, output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"
     uri = tracking_uri or default_tracking_uri()
     data_dir = data_dir if data_dir is not None else default_data_dir()
-    flow_values = dict(preset=preset, variants=variants, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
+    flow_values = dict(preset=preset, variants=variants, oppo=oppo, seeds=seeds, benchmarks=benchmarks, bench_limit=bench_limit,
                        data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
     with hold_run_folder(out, log=get_run_logger().warning):  # one writer per output folder, for the whole flow run
         launch_tags, launch_param = launch_params(spec)
         ref = open_parent_run(uri, experiment, f"compare-{preset}", str(out),
-                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(variants), "a3po.seeds": ",".join(map(str, seeds)),
+                              {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(arms), "a3po.seeds": ",".join(map(str, seeds)),
                                "a3po.fanout": fanout_deployment or "none", **launch_tags},
                               {**parent_params(base, **flow_values), **launch_param})
         try:
-            records = run_comparison(base, ref, out, cache, variants, seeds, variant_overrides, benchmarks, data_dir,
+            records = run_comparison(base, ref, out, cache, arms, seeds, variant_overrides, benchmarks, data_dir,
                                      bench_limit, bench_max_new_tokens, system_metrics_interval_s, spec, fanout_deployment)
             links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
             summary = summarise(records, str(out / "summary"), target_fraction, smooth_frac)
@@ -275,7 +288,8 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """``--set rl.lr=1e-3`` (all variants; ``--set torch_threads=2`` for a top-level field) /
-    ``--set loglinear:rl.proximal=metrics`` (one variant; rl fields only). Values are parsed as
+    ``--set loglinear:rl.proximal=metrics`` (one variant, or one arm such as
+    ``loglinear+oppo-inter:``; rl fields only). Values are parsed as
     YAML scalars."""
     overrides: dict[str, Any] = {}
     per_variant: dict[str, dict[str, Any]] = {}
@@ -294,8 +308,10 @@ def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, An
         if variant:
             if section != "rl":
                 _usage_error(f"--set {item!r}: per-variant overrides are rl fields only")
-            if variant not in DEFAULT_VARIANTS:
-                _usage_error(f"--set {item!r}: unknown variant {variant!r}; valid: {', '.join(DEFAULT_VARIANTS)}")
+            try:
+                parse_arm(variant)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
+            except ValueError as e:
+                _usage_error(f"--set {item!r}: {e}")
             per_variant.setdefault(variant, {})[field] = value
         else:
             overrides.setdefault(section, {})[field] = value
@@ -325,6 +341,9 @@ def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.Arg
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="tiny (learns in minutes on CPU) or micro (seconds; nothing learns)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of sync,recompute,loglinear")
+    ap.add_argument("--oppo", default=None, metavar="MODES",
+                    help=f"comma-separated OPPO modes ({','.join(OPPO_MODES.names())}) compared like the variants: one arm per "
+                         "variant and mode, e.g. off,inter runs loglinear and loglinear+oppo-inter (default: as the config says)")
     ap.add_argument("--seeds", default="0", help="comma-separated RL seeds, e.g. 0,1,2")
     ap.add_argument("--steps", type=int, help="RL steps per run (rl.steps)")
     ap.add_argument("--max-staleness", type=int, help="rl.max_staleness (async variants)")
@@ -394,7 +413,7 @@ def kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides, per_variant = parse_sets(args.set)
     overrides.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None})
     return dict(
-        preset=args.preset, variants=_csv(args.variants), seeds=_csv(args.seeds, int), steps=args.steps,
+        preset=args.preset, variants=_csv(args.variants), oppo=_csv(args.oppo) if args.oppo is not None else None, seeds=_csv(args.seeds, int), steps=args.steps,
         max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every, model=args.model, dataset=args.dataset,
         task=args.task, config=args.config, overrides=overrides or None, variant_overrides=per_variant or None,
         benchmarks=_csv(args.benchmarks), bench_limit=args.bench_limit or None, bench_max_new_tokens=args.bench_max_new_tokens,
@@ -410,8 +429,8 @@ def check_configs(kwargs: dict[str, Any]) -> None:
     line before any server starts (the flow builds them again, as its parameters say)."""
     keys = ("preset", "config", "model", "dataset", "task", "steps", "max_staleness", "checkpoint_every", "overrides", "torch_threads")
     base = build_config(**{k: kwargs[k] for k in keys})
-    for variant in kwargs["variants"]:
-        variant_config(base, variant, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
+    for arm in expand_arms(kwargs["variants"], kwargs["oppo"]):
+        variant_config(base, arm, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
     launch_for_config(launch_spec(kwargs["launch"]), base)  # e.g. 2 ranks without a DeepSpeed config
 
 

@@ -2,6 +2,8 @@
 
     python -m flows.nightly_parity                         # tiny preset, 3 seeds, exit 1 on failure
     python -m flows.nightly_parity --preset micro --seeds 0,1 --steps 4   # plumbing smoke run
+    python -m flows.nightly_parity --candidate loglinear+oppo-inter --references loglinear \
+        --set data.long_tail_frac=0.25 --set rl.max_new_tokens=64      # OPPO on vs off (docs/oppo.md)
 
 Runs the comparison (``flows.compare_variants.run_comparison``) over K seeds, then decides
 parity with the paired-bootstrap rule of :mod:`tasks.parity`: per reference, the CI of the mean
@@ -32,7 +34,7 @@ from typing import Any
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
-from a3po.config import Variant
+from a3po.arms import arm_name, arm_config
 from a3po.launch import launch_spec
 from flows.compare_variants import _csv, add_launch_args, build_config, default_data_dir, launch_from_args, launch_params, parent_params, parse_sets, run_comparison
 from a3po.runlock import RunFolderBusy, hold_run_folder
@@ -91,6 +93,9 @@ def nightly_parity(
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
+    candidate / references: arms (a3po.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
+    OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
+
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
     tolerance: largest acceptable shortfall of the candidate, in the metric's units.
     config: YAML TrainConfig laid over the preset. overrides / variant_overrides: as in
@@ -103,9 +108,13 @@ def nightly_parity(
     t0 = time.perf_counter()
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    variants = [Variant(v).value for v in dict.fromkeys([candidate, *references])]
     spec = launch_spec(launch)
     base = build_config(preset, config, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
+    # Arms (a3po.arms) by the name of the config each builds: a bare variant keeps the config's OPPO section.
+    # An unknown name or an unsupported combination raises here, before anything runs.
+    label = lambda arm: arm_name(arm_config(base, arm, seeds[0] if seeds else 0))  # noqa: E731
+    candidate, references = label(candidate), [label(r) for r in references]
+    variants = list(dict.fromkeys([candidate, *references]))
     spec = launch_for_config(spec, base)  # the ZeRO stage the ranks will run, for the record
     out = output_folder(output_dir)
     cache = Path(cache_dir).resolve() if cache_dir else out / "cache"

@@ -1,5 +1,7 @@
 """Convergence parity: is the candidate variant (loglinear) no worse than each reference
-(recompute, sync), beyond a tolerance, across seeds?
+(recompute, sync), beyond a tolerance, across seeds? Candidate and references are arms
+(a3po.arms), so the same rule compares OPPO on with OPPO off (``loglinear+oppo-inter`` vs
+``loglinear``).
 
 The rule (a paired non-inferiority test):
 
@@ -28,7 +30,8 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.summary import SMOOTH_FRAC, final_reward, read_history
+from a3po.arms import metric_key_part
+from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history
 
 METRICS = ("final_reward", "final_acc")
 
@@ -82,7 +85,7 @@ def decide(
     """One :class:`ParityResult` per reference, over the seeds both variants ran."""
     values: dict[str, dict[int, float]] = {}
     for r in records:
-        values.setdefault(r["variant"], {})[int(r["seed"])] = run_metric(r, metric, smooth_frac)
+        values.setdefault(arm_of(r), {})[int(r["seed"])] = run_metric(r, metric, smooth_frac)
     if candidate not in values:
         raise ValueError(f"candidate {candidate!r} has no runs")
     out = []
@@ -99,7 +102,7 @@ def decide(
 def parity_metrics(results: Sequence[ParityResult]) -> dict[str, float]:
     m: dict[str, float] = {}
     for r in results:
-        tag = f"parity/{r.candidate}_vs_{r.reference}"
+        tag = f"parity/{metric_key_part(r.candidate)}_vs_{metric_key_part(r.reference)}"
         m.update({f"{tag}/mean_diff": r.mean_diff, f"{tag}/ci_low": r.ci_low, f"{tag}/ci_high": r.ci_high, f"{tag}/pass": float(r.passed)})
     m["parity/pass"] = float(all(r.passed for r in results))
     return m
@@ -145,12 +148,14 @@ def decide_parity(records: list[dict[str, Any]], candidate: str, references: lis
 
 @task(cache_policy=NO_CACHE)
 def earlier_nights(tracking_uri: str, experiment_id: str, current_run_id: str, candidate: str, references: list[str], n: int = 14) -> list[dict[str, Any]]:
-    """Earlier nightly parent runs of the experiment that reached a verdict (tag ``parity``),
-    newest first, with their CI lower bounds."""
+    """Earlier nightly parent runs of the experiment with the same candidate that reached a
+    verdict (tag ``parity``), newest first, with their CI lower bounds."""
     from tasks.tracking import client_for
 
     client = client_for(tracking_uri)
-    runs = client.search_runs([experiment_id], "tags.`a3po.kind` = 'nightly' and tags.parity != ''", max_results=n + 1, order_by=["attributes.start_time DESC"])
+    # Same candidate only: an OPPO parity night (loglinear+oppo-inter) is not a variant night's trend.
+    query = f"tags.`a3po.kind` = 'nightly' and tags.parity != '' and tags.`a3po.candidate` = '{candidate}'"
+    runs = client.search_runs([experiment_id], query, max_results=n + 1, order_by=["attributes.start_time DESC"])
     out = []
     for run in runs:
         if run.info.run_id == current_run_id:
@@ -160,6 +165,6 @@ def earlier_nights(tracking_uri: str, experiment_id: str, current_run_id: str, c
             "run_id": run.info.run_id,
             "start": np.datetime64(run.info.start_time, "ms").astype(str)[:19],
             "parity": run.data.tags.get("parity"),
-            "ci_low": {ref: m.get(f"parity/{candidate}_vs_{ref}/ci_low") for ref in references},
+            "ci_low": {ref: m.get(f"parity/{metric_key_part(candidate)}_vs_{metric_key_part(ref)}/ci_low") for ref in references},
         })
     return out[:n]

@@ -13,6 +13,8 @@ Definitions (also in docs/pipeline.md):
 - **time to target**: ``time/train_wall_s`` (trainer wall clock: rollout wait + update, without
   evaluation) at the first step whose smoothed reward reaches the target; a variant's figure is
   the mean over its seeds, reported only when every seed got there.
+- **rows** are arms (a3po.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), compared
+  like variants; an OPPO arm is also compared with its variant's OPPO-off row.
 - **speedup of A vs B**: ``T_B / T_A`` for time to target, and ``mean step time_B / mean step
   time_A`` for ``perf/step_time_s`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
   final held-out accuracy.
@@ -35,6 +37,8 @@ from typing import Any, Sequence
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+
+from a3po.arms import metric_key_part, parse_arm
 
 SMOOTH_FRAC = 0.25
 TARGET_FRACTION = 0.8
@@ -109,6 +113,17 @@ def run_figures(history: Sequence[dict[str, float]], target: float | None, smoot
     return figs
 
 
+def arm_of(record: dict[str, Any]) -> str:
+    """The record's row: its arm (records written before arms existed name only the variant)."""
+    return record.get("arm") or record["variant"]
+
+
+def baselines_of(arm: str) -> list[str]:
+    """What a row is compared with: sync and recompute, and for an OPPO arm its variant with OPPO off."""
+    variant, mode = parse_arm(arm)
+    return list(dict.fromkeys([*BASELINES, *([variant] if mode is not None else [])]))
+
+
 def _max(xs: Sequence[float | None]) -> float | None:
     xs = list(xs)
     return None if not xs or any(x is None for x in xs) else max(xs)
@@ -125,8 +140,8 @@ class Comparison:
 def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> Comparison:
     """``records``: per variant x seed ``{"variant", "seed", "history": [...], "final_acc",
     "warmstart_acc", "evaluation": {"metrics": {...}}}``. Variants keep their first-seen order."""
-    variants = list(dict.fromkeys(r["variant"] for r in records))
-    by_v = {v: [r for r in records if r["variant"] == v] for v in variants}
+    variants = list(dict.fromkeys(arm_of(r) for r in records))
+    by_v = {v: [r for r in records if arm_of(r) == v] for v in variants}
     first = [r["history"][0]["reward/mean"] for r in records if r["history"]]
     r0 = sum(first) / len(first) if first else 0.0
     finals = {v: _mean([final_reward(r["history"], smooth_frac) for r in rs]) for v, rs in by_v.items()}
@@ -164,19 +179,21 @@ def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_F
         rows.append(row)
         for key in ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", *STABILITY_FIGURES):
             if row[key] is not None:
-                metrics[f"summary/{v}/{key}"] = row[key]
+                metrics[f"summary/{metric_key_part(v)}/{key}"] = row[key]
 
     index = {row["variant"]: row for row in rows}
     for row in rows:
-        for base in BASELINES:
+        for base in baselines_of(row["variant"]):
             if base == row["variant"] or base not in index:
                 continue
-            b, tag = index[base], f"{row['variant']}_vs_{base}"
+            b, tag = index[base], f"{metric_key_part(row['variant'])}_vs_{base}"
+            # An OPPO arm's own variant is also its "OPPO off" column.
+            cols = [base, *(["oppo_off"] if base == parse_arm(row["variant"])[0] else [])]
             if row["time_to_target_s"] and b["time_to_target_s"]:
-                row[f"speedup_ttt_vs_{base}"] = b["time_to_target_s"] / row["time_to_target_s"]
+                row.update({f"speedup_ttt_vs_{c}": b["time_to_target_s"] / row["time_to_target_s"] for c in cols})
                 metrics[f"speedup/{tag}/time_to_target"] = row[f"speedup_ttt_vs_{base}"]
             if row["mean_step_time_s"] and b["mean_step_time_s"]:
-                row[f"speedup_step_vs_{base}"] = b["mean_step_time_s"] / row["mean_step_time_s"]
+                row.update({f"speedup_step_vs_{c}": b["mean_step_time_s"] / row["mean_step_time_s"] for c in cols})
                 metrics[f"speedup/{tag}/step_time"] = row[f"speedup_step_vs_{base}"]
             metrics[f"delta/{tag}/final_reward"] = row["final_reward"] - b["final_reward"]
             metrics[f"delta/{tag}/final_acc"] = row["final_acc"] - b["final_acc"]
@@ -194,14 +211,17 @@ COLUMNS = [
     ("speedup_step_vs_recompute", "step speedup vs recompute"), ("behav_iw_max", "behaviour IW max"),
     ("behav_iw_p99", "behaviour IW p99"), ("trust_ratio_max", "trust-region ratio max"), ("clipped_frac", "clipped tokens"),
 ]
+# Shown when an OPPO arm was compared with its variant (OPPO off).
+OPPO_COLUMNS = [("speedup_ttt_vs_oppo_off", "speedup vs OPPO off (target)"), ("speedup_step_vs_oppo_off", "step speedup vs OPPO off")]
 
 
 def table(comp: Comparison):
-    """The comparison as a DataFrame (benchmark columns appended when present)."""
+    """The comparison as a DataFrame (OPPO and benchmark columns appended when present)."""
     import pandas as pd
 
     bench = sorted({k for r in comp.rows for k in r if k.startswith("eval/final/") and k.endswith("/pass_at_1")})
-    cols = list(COLUMNS) + [(k, k.removeprefix("eval/final/").replace("/pass_at_1", " pass@1")) for k in bench]
+    oppo = [c for c in OPPO_COLUMNS if any(c[0] in r for r in comp.rows)]
+    cols = list(COLUMNS) + oppo + [(k, k.removeprefix("eval/final/").replace("/pass_at_1", " pass@1")) for k in bench]
     return pd.DataFrame([{label: row.get(key) for key, label in cols} for row in comp.rows])
 
 
@@ -229,7 +249,7 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    colors = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(r["variant"] for r in records))}
+    colors = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(arm_of(r) for r in records))}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
     fig2, ((b1, b2), (b3, b4)) = plt.subplots(2, 2, figsize=(12, 8))
     seen = set()
@@ -237,7 +257,7 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         h = r["history"]
         if not h:
             continue
-        v = r["variant"]
+        v = arm_of(r)
         steps = list(range(1, len(h) + 1))
         sm = smooth([x["reward/mean"] for x in h], window(len(h), smooth_frac))
         label = v if v not in seen else None

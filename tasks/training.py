@@ -31,6 +31,7 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from a3po.arms import arm_name, oppo_mode
 from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
 from a3po.launch import LaunchSpec
@@ -73,7 +74,8 @@ def config_hash(cfg: TrainConfig) -> str:
 
 
 def run_dir_for(output_dir: str | Path, cfg: TrainConfig) -> Path:
-    return Path(output_dir).resolve() / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}-{config_hash(cfg)}"
+    """``<arm>-seed<seed>-<config hash>``; the arm is the variant when OPPO is off (a3po.arms)."""
+    return Path(output_dir).resolve() / f"{arm_name(cfg)}-seed{cfg.rl.seed}-{config_hash(cfg)}"
 
 
 def warmstart_dir(cfg: TrainConfig, cache_root: str | Path) -> Path:
@@ -102,6 +104,7 @@ def warm_start(cfg: TrainConfig, cache_root: str) -> WarmStart:
 @dataclass(frozen=True)
 class RunRecord:
     variant: str
+    arm: str  # the comparison's row: the variant, or <variant>+oppo-<mode> (a3po.arms)
     seed: int
     run_dir: str
     final_dir: str  # HF model directory of the final weights
@@ -134,6 +137,8 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
         "a3po.role": "child",
         "a3po.host": socket.gethostname(),
         "a3po.variant": cfg.rl.variant.value,
+        "a3po.arm": arm_name(cfg),
+        "a3po.oppo": oppo_mode(cfg.oppo),
         "a3po.seed": str(cfg.rl.seed),
         "a3po.run_dir": str(run_dir),
         "a3po.config_hash": config_hash(cfg),
@@ -170,7 +175,7 @@ def train_variant(
 
 
 def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: TrackingRef | None, system_metrics_interval_s: float, tracking_drain_s: float, log) -> RunRecord:
-    name = f"{cfg.rl.variant.value} seed {cfg.rl.seed}"
+    name = f"{arm_name(cfg)} seed {cfg.rl.seed}"
     every = max(1, cfg.rl.steps // 10)
 
     def progress(step: int, m: dict[str, float]) -> None:
@@ -226,6 +231,7 @@ def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: Tr
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result.variant,
+        arm=arm_name(cfg),
         seed=result.seed,
         run_dir=str(rd),
         final_dir=str(rd / "final"),
@@ -352,7 +358,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         client.set_tag(run_id, "a3po.resumed_from", str(result.get("resumed_from") or 0))
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
-        variant=result["variant"], seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
+        variant=result["variant"], arm=arm_name(cfg), seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
         history_path=str(history_path), mlflow_run_id=run_id, warmstart_acc=warmstart_acc,
         final_acc=final_acc, steps=result["steps"], wall_s=result["wall_s"],
         resumed_from=result.get("resumed_from"), library_s=launched.wall_s,
