@@ -59,9 +59,11 @@ def test_arms_the_config_cannot_run_are_refused_naming_why(arm, error, match):
         arm_config(preset("micro"), arm, 0)
 
 
-def test_both_is_refused_by_the_config_until_intra_and_inter_are_wired_together():
-    with pytest.raises(ConfigError, match="oppo.intra"):
-        arm_config(with_overrides(preset("micro"), **PPO_MICRO), "loglinear+oppo-both", 0)
+def test_both_arm_turns_both_overlaps_on_and_intra_stays_refused_on_grpo():
+    cfg = arm_config(with_overrides(preset("micro"), **PPO_MICRO), "loglinear+oppo-both", 0)
+    assert (cfg.oppo.intra, cfg.oppo.inter, cfg.rl.variant) == (True, True, "loglinear")
+    with pytest.raises(ConfigError, match="oppo.intra"):  # the GRPO path has no scoring model to stream to
+        arm_config(preset("micro"), "loglinear+oppo-both", 0)
 
 
 def test_per_arm_overrides_from_set_and_the_flow_parameter(capsys):
