@@ -182,7 +182,10 @@ class LlamaLikeDecoder:
         self.key_bias = torch.full((n, nk, 1, max_width), float("-inf"), dtype=self.dtype, device=self.device)
         with torch.no_grad():  # RoPE tables over every position a row can reach, tiled over q and k heads
             cos, sin = core.rotary_emb(self.embed[:1, None], torch.arange(max_width, device=self.device)[None])
-            scale = torch.cat([torch.full((nq * hd,), attn0.scaling), torch.ones(nk * hd)]).to(self.device, cos.dtype)
+            # In float32 whatever the weights: in bf16 the folded scale would round once more than
+            # the model's own forward does (q and k are cast to the weights' dtype where stored or multiplied).
+            cos, sin = cos.float(), sin.float()
+            scale = torch.cat([torch.full((nq * hd,), attn0.scaling), torch.ones(nk * hd)]).to(self.device)
             self.cos = torch.cat([cos[0].repeat(1, nq), cos[0].repeat(1, nk)], dim=1) * scale  # (P, (nq + nk) hd)
             self.sin = torch.cat([sin[0].repeat(1, nq), sin[0].repeat(1, nk)], dim=1) * scale
         self.width = 0
@@ -193,7 +196,7 @@ class LlamaLikeDecoder:
         nq, nk, hd = self.heads, self.kv_heads, self.head_dim
         proj = F.linear(F.rms_norm(x, x.shape[-1:], w_in, self.eps), w_proj, b_proj)
         qk, v, qk_rot = proj.split(((nq + nk) * hd, nk * hd, (nq + nk) * hd), dim=-1)
-        qk = torch.addcmul(qk * cos, qk_rot, sin)
+        qk = torch.addcmul(qk * cos, qk_rot, sin).to(proj.dtype)  # tables in fp32: one rounding to the weights' dtype
         return qk[:, : nq * hd], qk[:, nq * hd :], v
 
     def _attn_out_and_mlp(self, x: torch.Tensor, o: torch.Tensor, i: int) -> torch.Tensor:
