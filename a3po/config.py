@@ -317,6 +317,10 @@ class RolloutConfig:
     ``j`` wholly on version ``max(0, j - s)``, another trajectory). null: the finest the engine does."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take on CUDA (the trainer shares the device)."""
+    decoder: str = "auto"
+    """The torch engine's incremental decoder (``a3po.decoders``): 'auto' (the fast one registered
+    for the model's type, e.g. qwen2 / llama, where it covers the config; else the model's own
+    forward), 'generic' (always the model's own forward with a DynamicCache), or a registered name."""
 
     def __post_init__(self) -> None:
         from a3po.engines import ROLLOUT_ENGINES
@@ -330,6 +334,10 @@ class RolloutConfig:
         if self.weight_updates == "decode_step" and not spec.mid_batch_updates:
             raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
                              "batches; use 'batch' (or null)")
+        from a3po.decoders import DECODERS
+
+        if self.decoder != "auto" and self.decoder not in DECODERS:
+            raise ValueError(f"rollout.decoder must be 'auto' or one of {DECODERS.names()}, got {self.decoder!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         why = spec.missing()

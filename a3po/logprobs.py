@@ -3,6 +3,8 @@ engine (behaviour log-probs, one decode step at a time) and the trainer (one ful
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from a3po.devices import autocast_for
@@ -41,21 +43,33 @@ def token_logprobs(
     temperature: float = 1.0,
     top_p: float = 1.0,
     return_entropy: bool = False,
+    start: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of ``input_ids[:, t]`` given the prefix, aligned to ``input_ids``.
 
-    Returns ``(B, L)`` with column 0 set to 0 (no prefix). With ``return_entropy`` also the
-    entropy of the next-token distribution at each position, same alignment.
+    Returns ``(B, L)``, 0 in the columns before ``start`` (column 0 has no prefix; the trainer
+    passes the prompt width, so the head and the softmax run on the response's positions only,
+    where the model accepts ``logits_to_keep``). With ``return_entropy`` also the entropy of the
+    next-token distribution at each position, same alignment.
     """
+    length = input_ids.shape[1]
+    start = max(1, min(start, length))
+    keep = {"logits_to_keep": length - start + 1} if start > 1 and _takes_logits_to_keep(model) else {}
     with autocast_for(model):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    logp_all = sampling_log_softmax(out.logits[:, :-1], temperature, top_p)  # (B, L-1, V)
-    picked = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                    use_cache=False, **keep)
+    logits = out.logits[:, -(length - start + 1):-1]  # positions start-1 .. L-2 predict columns start .. L-1
+    logp_all = sampling_log_softmax(logits, temperature, top_p)  # (B, L - start, V)
+    picked = logp_all.gather(-1, input_ids[:, start:, None]).squeeze(-1)
+    logp = torch.cat([picked.new_zeros((picked.shape[0], start)), picked], dim=1)
     if not return_entropy:
         return logp
     with torch.no_grad():
         p = logp_all.exp()
         ent = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+        ent = torch.cat([ent.new_zeros((ent.shape[0], start)), ent], dim=1)
     return logp, ent
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters

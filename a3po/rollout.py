@@ -9,20 +9,23 @@ then carry the new version, and the KV cache of earlier tokens is recomputed wit
 weights (as AReaL's interruptible generation discards the stale cache), so a token's
 behaviour log-prob is exactly that of its recorded version given its prefix.
 
+The model runs through an incremental decoder (:mod:`a3po.decoders`): a fast one for Qwen2 /
+Llama-style models (KV cache preallocated at full width, a few tensor ops per layer and step, a
+GRPO group's shared prompt prefilled once) or the model's own forward with a DynamicCache.
+
 Everything stays on the model's device (the returned batch too); the sampling generator must
 live there as well (see :mod:`a3po.devices`).
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache, Qwen2ForCausalLM
 
-from a3po.devices import autocast_for, model_device, sampling_generator
+from a3po.decoders import decoder_for
+from a3po.devices import model_device, sampling_generator
 from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
 from a3po.padding import left_pad
 
@@ -67,27 +70,24 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
-def _cache_kwarg() -> str:
-    # transformers 5 renamed ``past_key_values`` to ``cache``; the same DynamicCache object is
-    # updated in place either way.
-    return "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
-
-
-_CACHE_KW = _cache_kwarg()
-
 BetweenSteps = Callable[[int], "int | None"]
 OnToken = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class RolloutEngine:
     """Samples from ``model`` in batches. ``version`` is the policy version of the current
-    weights; ``between_steps(step)`` may load new weights and return their version."""
+    weights; ``between_steps(step)`` may load new weights and return their version. ``decoder``:
+    the incremental decoder (:mod:`a3po.decoders`; ``auto`` = the fast one registered for the
+    model's type where it applies, else the model's own forward)."""
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, version: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, version: int = 0,
+                 decoder: str = "auto") -> None:
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.version = version
+        self.decoder = decoder
+        decoder_for(model, decoder)  # an unknown or unsupported decoder fails here, not at the first batch
 
     # --- the rollout-engine interface (a3po.engines): what the controller calls -----------------
     mid_batch_updates = True  # between_steps may swap weights between decode steps
@@ -150,25 +150,32 @@ class RolloutEngine:
         alive = torch.ones(n, dtype=torch.bool, device=device)
         finished = torch.zeros(n, dtype=torch.bool, device=device)
 
-        cache = DynamicCache()
-        step_ids, attn = ids, mask
-        positions = position_ids_from_mask(mask)
+        make_decoder = decoder_for(self.model, self.decoder)
+        max_width = width + params.max_new_tokens
+        # Attention mask of everything fed so far: the prompt's, then per generated column whether
+        # its row was still alive when it sampled it (padding after EOS is ignored).
+        attn = torch.zeros((n, max_width), dtype=mask.dtype, device=device)
+        attn[:, :width] = mask
         was_training = self.model.training
         self.model.eval()
+        decoder = None
         for t in range(params.max_new_tokens):
             if between_steps is not None:
                 v = between_steps(t)
                 if v is not None:
-                    self.version = v
-                    if t > 0:
-                        # New weights: a cache built by the old ones would make later tokens
-                        # come from neither version. Re-run the prefix (prompt + tokens so far).
-                        cache = DynamicCache()
-                        step_ids = torch.cat([ids, new_tokens[:, :t]], dim=1)
-                        positions = position_ids_from_mask(attn)
-            with autocast_for(self.model):
-                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True, **{_CACHE_KW: cache})
-            logp = sampling_log_softmax(out.logits[:, -1], params.temperature, params.top_p)  # (n, V)
+                    # New weights: a cache built by the old ones would make later tokens come
+                    # from neither version, so the prefix (prompt + tokens so far) is run again.
+                    self.version, decoder = v, None
+            if decoder is None:
+                decoder = make_decoder(self.model, n, max_width)
+                prefix_mask = attn[:, : width + t]
+                prefix_pos = position_ids_from_mask(prefix_mask)
+                logits = decoder.prefill(torch.cat([ids, new_tokens[:, :t]], dim=1), prefix_mask, prefix_pos)
+                positions = prefix_pos[:, -1]
+            else:
+                positions = positions + 1
+                logits = decoder.step(tok, alive_before, positions)
+            logp = sampling_log_softmax(logits, params.temperature, params.top_p)  # (n, V)
             if params.temperature == 0:
                 tok = logp.argmax(-1)
             else:
@@ -187,9 +194,7 @@ class RolloutEngine:
                 alive = alive & (row_budget.to(device) > t + 1)
             if not bool(alive.any()) or (stop_early is not None and stop_early(~alive)):  # a CPU-GPU sync point per decode step, the price of stopping early
                 break
-            step_ids = tok[:, None]
-            attn = torch.cat([attn, alive_before.long()[:, None]], dim=1)
-            positions = positions[:, -1:] + 1
+            attn[:, width + t] = alive_before
         self.model.train(was_training)
 
         steps = t + 1

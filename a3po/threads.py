@@ -11,9 +11,13 @@ op). The trainer and the in-process rollout producer are two threads of one proc
   takes every core the process may use (``update_threads``), since the producer is idle meanwhile.
 
 Only the update: its forward, backward and AdamW give the same bits on 1 or 2 threads (tiny
-preset, measured), whereas decoding does not (CPU ``scaled_dot_product_attention`` with one query
-splits its key sum by thread count: behaviour log-probs move by ~1e-6), so generation and
-evaluation stay on ``torch_threads`` and a run stays bit for bit what it was.
+preset, measured), whereas decoding need not. The generic decoder's CPU
+``scaled_dot_product_attention`` with one query splits its key sum by thread count (behaviour
+log-probs move by ~1e-6). The fast ``llama_like`` decoder (:mod:`a3po.decoders`) avoids that
+kernel and gave the same bits on 1, 2 and 3 threads for the tiny preset (16 x 8 rows, 24 tokens,
+measured), but not for every shape: a GEMM as small as a 32 -> 40 head already differs between 1
+and 3 threads (MKL picks its split by thread count and shape). So generation and evaluation stay
+on ``torch_threads``, and a run is reproducible bit for bit for a given config on a given machine.
 """
 
 from __future__ import annotations

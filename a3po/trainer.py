@@ -96,7 +96,7 @@ def train_step(
     exact_prox = None
     if method.needs_forward:
         with torch.no_grad():
-            exact_prox = token_logprobs(policy, ids, attn, cfg.temperature)
+            exact_prox = token_logprobs(policy, ids, attn, cfg.temperature, start=batch.prompt_len)
         synchronize(device)  # time the forward, not its launch (no-op on CPU)
     prox_time = time.perf_counter() - t0
 
@@ -109,7 +109,7 @@ def train_step(
     entropy_sum, entropy_n = 0.0, 0
     for mb in perm.chunk(cfg.minibatches):
         rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
-        logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True)
+        logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len)
         synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
         t0 = time.perf_counter()
         prox, prox_metrics = method(

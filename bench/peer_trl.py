@@ -12,7 +12,9 @@ generated, scored and trained on. Project: the time between two consecutive trai
 ends, i.e. what a step costs once the loop runs (the first and the last step, with start-up and
 the final evaluation, are left out). TRL: the time between two consecutive ends of every 4th
 optimizer step (one generation each, ``steps_per_generation = 4``), the first cycle left out.
-Medians over ``--cycles`` cycles. Rollout tokens/s: generated tokens (EOS included) over the time
+Medians over ``--cycles`` cycles; beside the wall time, the process's CPU time per cycle (all
+its threads: on a shared machine the work done, less sensitive to other processes than wall
+time; on one core it is what the wall time would be on a quiet one). Rollout tokens/s: generated tokens (EOS included) over the time
 of the generation call (the project's engine, without scoring; TRL's ``_generate_single_turn``,
 i.e. ``transformers.generate``), median over batches.
 
@@ -65,19 +67,22 @@ def median(xs: list[float]) -> float:
 def project_side(cfg: TrainConfig, variant: str, ws_dir: Path, ws_acc: float, out: Path) -> dict:
     cfg = with_overrides(cfg, rl={"variant": variant})
     ends: list[float] = []
+    cpu_ends: list[float] = []
     rewards: list[float] = []
     tok_s: list[float] = []
     batch = cfg.rl.batch_prompts * cfg.rl.group_size
 
     def progress(step: int, m: dict[str, float]) -> None:
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         rewards.append(m["reward/mean"])
         gen_s = m["perf/gen_time_s"] - m.get("perf/score_s", 0.0)  # the engine's time, scoring aside
         tok_s.append(m["response/length_mean"] * batch / max(gen_s, 1e-9))
 
     train_variant(cfg, out / variant, ws_dir, ws_acc, progress=progress)
     cycles = [b - a for a, b in zip(ends[:-2], ends[1:-1])]  # steps 2 .. steps-1
-    return {"cycle_s": median(cycles), "cycles": len(cycles), "rollout_tok_s": median(tok_s[1:-1]),
+    cpu = [b - a for a, b in zip(cpu_ends[:-2], cpu_ends[1:-1])]
+    return {"cycle_s": median(cycles), "cycle_cpu_s": median(cpu), "cycles": len(cycles), "rollout_tok_s": median(tok_s[1:-1]),
             "reward_curve": [round(r, 4) for r in rewards[1:-1]], "reward_mean": statistics.fmean(rewards[1:-1])}
 
 
@@ -116,6 +121,7 @@ def trl_side(cfg: TrainConfig, cycles: int, ws_dir: Path, out: Path) -> dict:
         logging_steps=10**6, disable_tqdm=True, seed=rl.seed, dataloader_num_workers=0, log_completions=False,
     )
     ends: list[float] = []
+    cpu_ends: list[float] = []
     rewards: list[float] = []
     tok_s: list[float] = []
 
@@ -123,6 +129,7 @@ def trl_side(cfg: TrainConfig, cycles: int, ws_dir: Path, out: Path) -> dict:
         def on_step_end(self, args, state, control, **kw):
             if state.global_step % UPDATES_PER_BATCH == 0:
                 ends.append(time.perf_counter())
+                cpu_ends.append(time.process_time())
 
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=grader_reward, args=args, train_dataset=dataset,
                           callbacks=[CycleTimer()])
@@ -145,17 +152,18 @@ def trl_side(cfg: TrainConfig, cycles: int, ws_dir: Path, out: Path) -> dict:
     trainer._calculate_rewards = recorded_rewards
     trainer.train()
     cycles_s = [b - a for a, b in zip(ends[:-1], ends[1:])]
-    return {"cycle_s": median(cycles_s), "cycles": len(cycles_s), "rollout_tok_s": median(tok_s[1:]),
+    cpu = [b - a for a, b in zip(cpu_ends[:-1], cpu_ends[1:])]
+    return {"cycle_s": median(cycles_s), "cycle_cpu_s": median(cpu), "cycles": len(cycles_s), "rollout_tok_s": median(tok_s[1:]),
             "reward_curve": [round(r, 4) for r in rewards[1:]], "reward_mean": statistics.fmean(rewards[1:]) if rewards[1:] else float("nan")}
 
 
 def table(rows: dict[str, dict], trl: dict | None) -> str:
-    head = f"{'side':<12} {'s/cycle':>8} {'vs TRL':>7} {'rollout tok/s':>14} {'vs TRL':>7} {'reward':>7}"
+    head = f"{'side':<12} {'s/cycle':>8} {'vs TRL':>7} {'CPU s/cycle':>12} {'rollout tok/s':>14} {'vs TRL':>7} {'reward':>7}"
     lines = [head, "-" * len(head)]
     for name, r in ([("TRL GRPO", trl)] if trl else []) + list(rows.items()):
         vs = f"{r['vs_trl']:.2f}x" if "vs_trl" in r else "-"
         vs_tok = f"{r['rollout_vs_trl']:.2f}x" if "rollout_vs_trl" in r else "-"
-        lines.append(f"{name:<12} {r['cycle_s']:>8.3f} {vs:>7} {r['rollout_tok_s']:>14.0f} {vs_tok:>7} {r['reward_mean']:>7.3f}")
+        lines.append(f"{name:<12} {r['cycle_s']:>8.3f} {vs:>7} {r['cycle_cpu_s']:>12.3f} {r['rollout_tok_s']:>14.0f} {vs_tok:>7} {r['reward_mean']:>7.3f}")
     return "\n".join(lines)
 
 

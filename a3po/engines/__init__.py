@@ -6,8 +6,8 @@ generated token, the behaviour log-prob of the distribution it was actually samp
 weights tagged with a version. The controller talks to nothing else.
 
 * ``torch`` (:class:`a3po.rollout.RolloutEngine`): plain torch + transformers in the trainer's
-  process. Can swap weights between decode steps (``mid_batch_updates``), which the
-  deterministic schedule uses.
+  process, with the incremental decoder ``rollout.decoder`` names (:mod:`a3po.decoders`). Can
+  swap weights between decode steps (``mid_batch_updates``), which the deterministic schedule uses.
 * ``vllm`` (:class:`a3po.engines.vllm_engine.VllmEngine`): ``vllm.LLM`` in-process; weights are
   reloaded between batches only, from a safetensors file the trainer writes.
 
@@ -73,7 +73,8 @@ def _build_torch(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tens
         engine_model = type(policy)(policy.config)
     engine_model.to(dtype=model_dtype(policy))
     engine_model.load_state_dict(state)
-    return RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=version)
+    return RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=version,
+                         decoder=cfg.rollout.decoder)
 
 
 def _build_vllm(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tensor], version: int, cfg: TrainConfig) -> Engine:
