@@ -12,6 +12,8 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 ``ppo/value_clip_frac``                 fraction of tokens where the clipped value term is
                                         active
 ``ppo/value_grad_norm``                 the critic's gradient norm before clipping
+``ppo/value_loss_last_epoch``           (ppo.critic_epochs > 1) mean value loss of the
+                                        critic's last pass over the batch
 ``ppo/value_mean``                      mean critic value on generated tokens when the batch
                                         is scored
 ``ppo/return_mean``                     mean GAE return (the critic's target) on generated
@@ -24,7 +26,9 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
                                         grader
 ``reward_model/heldout_acc``            (offline RM training, on the flow's parent run)
                                         held-out accuracy; ``reward_model/heldout_majority_acc``
-                                        is the always-commoner-label baseline
+                                        is the always-commoner-label baseline;
+                                        ``_balanced_acc`` (TPR + TNR) / 2 and ``_auc`` are
+                                        0.5 for a constant guess
 ======================================  ============================================
 """
 

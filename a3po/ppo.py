@@ -225,6 +225,19 @@ class PPOParts:
         self.critic.eval()
         return {**metrics, "ppo/value_grad_norm": grad_norm.item()}
 
+    def further_critic_epochs(
+        self, batch, old_values: torch.Tensor, returns: torch.Tensor, minibatches: int, shard, seed: int, grad_clip: float
+    ) -> dict[str, float]:
+        """Passes 2..``critic_epochs`` of the critic over the batch (the first runs beside the
+        policy's minibatches), each in its own permutation drawn on the CPU from ``seed`` (the
+        same minibatches on every device and on resume); ``shard`` picks this rank's rows."""
+        losses: list[float] = []
+        for epoch in range(1, self.cfg.critic_epochs):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            perm = torch.randperm(len(batch), generator=gen).to(batch.input_ids.device)
+            losses = [self.update_critic(batch, shard(mb), old_values, returns, grad_clip)["ppo/value_loss"] for mb in perm.chunk(minibatches)]
+        return {"ppo/value_loss_last_epoch": sum(losses) / len(losses)} if losses else {}
+
     def state(self) -> dict:
         """What a checkpoint keeps (the critic and its optimizer; the reference and the reward
         model are rebuilt from the warm start and the config)."""

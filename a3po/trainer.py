@@ -147,6 +147,8 @@ def train_step(
         entropy_sum += ent[resp[mb]].sum().item()
         entropy_n += int(resp[mb].sum())
     policy.eval()
+    if est.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
+        ppo_metrics.update(ppo.further_critic_epochs(batch, values, est.returns, cfg.minibatches, ranks.shard, cfg.seed * 100_003 + version, cfg.grad_clip))
 
     # 5. Metrics: the minibatches' combined (stability over all the step's tokens), plus rollout-level figures.
     step_time = time.perf_counter() - t_start

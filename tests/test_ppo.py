@@ -129,6 +129,7 @@ def test_explained_variance():
         ({"ppo": {"reward_model_path": "/x"}}, "ppo.reward is 'grader'"),
         ({"ppo": {"kl_estimator": "k2"}}, "ppo.kl_estimator"),
         ({"ppo": {"value_clip": 0}}, "ppo.value_clip"),
+        ({"ppo": {"critic_epochs": 0}}, "ppo.critic_epochs"),
         ({"ppo": {"lam": 1.5}}, "ppo.gamma and ppo.lam"),
         ({"ppo": {"kl_coef": -0.1}}, "ppo.kl_coef"),
         ({"ppo": {"critic": "shared"}}, "ppo.critic"),
@@ -179,6 +180,24 @@ def test_micro_ppo_run_completes_with_the_ppo_metrics(variant, micro_warmstart, 
     assert any(k.startswith("score.") for k in state["critic"]) and state["critic_optimizer"]["state"]
 
 
+def test_critic_makes_critic_epochs_passes_per_batch(micro_warmstart, tmp_path):
+    """ppo.critic_epochs 3 on micro (rl.minibatches 2), 2 steps: the critic's optimizer takes
+    2 steps x 2 minibatches x 3 passes = 12 steps (the policy's own optimizer: 2 x 2 = 4)."""
+    from a3po.checkpoint import load_latest_checkpoint
+    from a3po.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.pipeline import train_variant
+
+    cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "steps": 2, "eval_every": 2}, ppo={**PPO_MICRO["ppo"], "critic_epochs": 3})
+    ws_dir, ws_acc = micro_warmstart
+    train_variant(cfg, tmp_path / "run", ws_dir, ws_acc, logger=JsonlLogger(tmp_path / "m.jsonl"))
+    _, state = load_latest_checkpoint(tmp_path / "run" / "checkpoints")
+    critic_steps = {int(s["step"]) for s in state["critic_optimizer"]["state"].values()}
+    policy_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert critic_steps == {12} and policy_steps == {4}, (critic_steps, policy_steps)
+    rows = read_metrics_jsonl(tmp_path / "m.jsonl")
+    assert all(math.isfinite(r["ppo/value_loss_last_epoch"]) for r in rows)
+
+
 def test_grpo_step_adds_no_ppo_parts_or_metrics(micro_warmstart, tmp_path):
     from a3po.metrics import JsonlLogger, read_metrics_jsonl
     from a3po.pipeline import train_variant
@@ -217,6 +236,21 @@ def test_reward_model_learns_a_separable_toy_set():
     figures = train_reward_model(rm, train, heldout, tok.pad_token_id, steps=60, batch_size=32, lr=3e-3, seed=0)
     assert figures["reward_model/heldout_majority_acc"] == 0.5
     assert figures["reward_model/heldout_acc"] >= 0.9, figures
+
+
+def test_classification_figures_by_hand():
+    from a3po.reward_model import classification_figures
+
+    # labels 1 1 0 0 0, logits 2 -1 1 -3 -1: predicted 1 0 1 0 0.
+    # acc 3/5; majority 3/5; TPR 1/2, TNR 2/3 -> balanced 7/12.
+    # AUC: pairs (pos, neg): 2 beats 1, -3, -1 (3); -1 loses to 1, beats -3, ties -1 (1.5) -> 4.5 / 6 = 0.75.
+    f = classification_figures(torch.tensor([2.0, -1.0, 1.0, -3.0, -1.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert f["acc"] == pytest.approx(0.6) and f["majority_acc"] == pytest.approx(0.6) and f["positive_frac"] == pytest.approx(0.4)
+    assert f["balanced_acc"] == pytest.approx(7 / 12) and f["auc"] == pytest.approx(0.75)
+    # A constant guess: accuracy can equal the majority baseline, balanced accuracy and AUC stay at 0.5.
+    const = classification_figures(torch.full((5,), -1.0), torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert const["acc"] == pytest.approx(0.8) == const["majority_acc"] and const["balanced_acc"] == 0.5 and const["auc"] == 0.5
+    assert math.isnan(classification_figures(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))["auc"])
 
 
 def test_reward_model_reward_in_a_ppo_run_and_task_logs_accuracy(micro_warmstart, tmp_path):
