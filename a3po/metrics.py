@@ -19,7 +19,10 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 ``ppo/return_mean``                     mean GAE return (the critic's target) on generated
                                         tokens
 ``ppo/explained_variance``              1 - Var(R - V) / Var(R): 1 perfect critic, 0 a
-                                        constant, < 0 worse
+                                        constant, < 0 worse (per token, over the batch)
+``ppo/ev_prompt_ceiling``               share of the batch's score variance between prompts
+                                        (ANOVA): the explained variance of a critic knowing
+                                        each prompt's success rate but not judging the answer
 ``reward/model_mean``                   (reward: model) mean reward-model score,
                                         sigmoid(logit) in 0..1
 ``reward/model_grader_agreement``       fraction of samples where RM score > 0.5 matches the

@@ -121,6 +121,33 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return (1 - (r - v).var(unbiased=False) / var_r).item()
 
 
+def between_prompt_share(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Share of the outcome variance that lies between prompts (one-way random-effects ANOVA)::
+
+        MSB  = sum_g n_g (mean_g - mean)^2 / (G - 1)
+        MSW  = sum_g sum_i (y_gi - mean_g)^2 / (N - G)
+        n0   = (N - sum_g n_g^2 / N) / (G - 1)
+        s2_b = max(0, (MSB - MSW) / n0)        share = s2_b / (s2_b + MSW)
+
+    The explained variance of an oracle critic that knows each prompt's success rate and nothing
+    about the sampled answer: what a value model can reach without judging the answer itself.
+    ``scores`` ``(N,)``, ``group_ids`` ``(N,)``; 0 when the scores do not vary (as
+    :func:`explained_variance`), nan with < 2 groups or no group of 2 samples."""
+    require_same_shape(scores=scores, group_ids=group_ids)
+    y = scores.double()
+    _, inv, n_g = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n, g = len(y), len(n_g)
+    if g < 2 or n <= g:
+        return float("nan")
+    mean_g = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, y) / n_g
+    msb = (n_g * (mean_g - y.mean()) ** 2).sum() / (g - 1)
+    msw = ((y - mean_g[inv]) ** 2).sum() / (n - g)
+    n0 = (n - (n_g.double() ** 2).sum() / n) / (g - 1)
+    s2_b = ((msb - msw) / n0).clamp(min=0)
+    total = s2_b + msw
+    return (s2_b / total).item() if total > 0 else 0.0
+
+
 # --- models -------------------------------------------------------------------------------
 
 

@@ -39,11 +39,13 @@ from a3po.rollout import RolloutEngine, SamplingParams
 class RewardModelSettings:
     """How the reward model is sampled for and trained (part of its cache key)."""
 
-    n_prompts: int = 600
+    n_prompts: int = 800
     """Training prompts sampled (the first ``heldout_frac`` of them, shuffled, are held out)."""
-    samples_per_prompt: int = 4
+    samples_per_prompt: int = 8
+    """Several answers per prompt, some right, some near misses: the contrast the model learns
+    from (600 x 4 samples and 300 steps gave a constant guess: held-out AUC 0.50)."""
     heldout_frac: float = 0.2
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 5e-4
     seed: int = 0

@@ -16,7 +16,7 @@ from a3po.config import ConfigError, config_from_dict, preset, with_overrides
 from a3po.ppo import PPOParts, clipped_value_loss, explained_variance, kl_penalty, token_rewards
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
-PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
+PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
 
 
 # --- pure functions, by hand -------------------------------------------------------------
@@ -115,6 +115,22 @@ def test_explained_variance():
     assert explained_variance(ret, ret, mask) == pytest.approx(1.0)
     # constant V = mean(R): Var(R - V) = Var(R) -> 0
     assert explained_variance(torch.full_like(ret, 2.0), ret, mask) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_between_prompt_share_by_hand():
+    from a3po.ppo import between_prompt_share
+
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    # groups (1, 1, 0) and (0, 0, 0): means 2/3 and 0, grand mean 1/3.
+    # MSB = 3 (1/3)^2 + 3 (1/3)^2 = 2/3 over G - 1 = 1; MSW = ((1/3)^2 2 + (2/3)^2) / (6 - 2) = 1/6;
+    # n0 = (6 - 18/6) / 1 = 3; s2_b = (2/3 - 1/6) / 3 = 1/6; share = (1/6) / (1/6 + 1/6) = 0.5.
+    assert between_prompt_share(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), g) == pytest.approx(0.5)
+    # All the variance between prompts (each prompt always right or always wrong): 1.
+    assert between_prompt_share(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), g) == pytest.approx(1.0)
+    # Same rate in both prompts: MSB = 0 < MSW, clamped to 0 (nothing a prompt-level critic can know).
+    assert between_prompt_share(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), g) == 0.0
+    assert between_prompt_share(torch.zeros(6), g) == 0.0  # nothing varies, nothing to explain
+    assert math.isnan(between_prompt_share(torch.tensor([1.0, 0.0]), torch.tensor([0, 0])))
 
 
 # --- config ------------------------------------------------------------------------------
@@ -277,6 +293,7 @@ def test_reward_model_reward_in_a_ppo_run_and_task_logs_accuracy(micro_warmstart
     logged = client.get_run(ref.parent_run_id).data.metrics
     assert logged["reward_model/heldout_acc"] == pytest.approx(rm.heldout_acc)
     assert 0.0 <= rm.heldout_acc <= 1.0 and logged["reward_model/n_heldout"] > 0
+    assert {"reward_model/heldout_balanced_acc", "reward_model/heldout_auc", "reward_model/heldout_majority_acc"} <= set(logged)
     again = train_reward_model.fn(cfg, ws, str(tmp_path / "cache"), None, settings)
     assert again.dir == rm.dir and again.heldout_acc == rm.heldout_acc
     assert json.loads((tmp_path / "cache" / f"reward-model-{rm.key}" / "a3po_reward_model.json").read_text())
