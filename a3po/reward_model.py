@@ -9,7 +9,9 @@ The embedded task has an exact grader; the reward model is the PPO path's other 
 2. :func:`build_reward_model`: a causal LM with a scalar head (``AutoModelForSequenceClassification``,
    ``num_labels=1``; its logit at the last non-pad token) sharing the policy's backbone weights.
 3. :func:`train_reward_model`: binary cross-entropy on the labels; held-out accuracy on samples of
-   prompts it never saw, beside the majority-class baseline it must beat.
+   prompts it never saw, beside the majority-class baseline it must beat, balanced accuracy and
+   AUC (:func:`classification_figures`; both 0.5 for a constant guess, which accuracy can hide
+   when most samples are wrong).
 4. :func:`prepare_reward_model`: all of it once per (warm start, settings), cached in a folder
    named by a key, like the warm start (``a3po.pipeline.prepare_warmstart``).
 
