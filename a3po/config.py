@@ -224,6 +224,10 @@ class PPOConfig:
     critic: Literal["none", "policy_copy"] = "none"
     """'policy_copy': a value model (the policy's backbone, copied at the start of RL, with a
     scalar head) trained beside the policy; needed by ``rl.advantage: gae``."""
+    critic_init_path: str | None = None
+    """A sequence-classification model directory (a reward model, ``a3po.reward_model``) whose
+    backbone the critic starts from instead of the policy's, with a fresh head (InstructGPT
+    starts its value function from the reward model); null: the policy's backbone."""
     critic_lr: float = 1e-4
     """The critic's own AdamW rate (constant after the policy's warm-up)."""
     critic_epochs: int = 1
@@ -255,6 +259,8 @@ class PPOConfig:
     def __post_init__(self) -> None:
         if self.critic_lr <= 0 or self.vf_coef <= 0:
             raise ValueError("ppo.critic_lr and ppo.vf_coef must be > 0")
+        if self.critic_init_path is not None and self.critic != "policy_copy":
+            raise ValueError("ppo.critic_init_path is set but ppo.critic is 'none'")
         if self.critic_epochs < 1:
             raise ValueError(f"ppo.critic_epochs must be >= 1, got {self.critic_epochs}")
         if self.value_clip is not None and self.value_clip <= 0:

@@ -159,10 +159,11 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def build_critic(policy: torch.nn.Module) -> torch.nn.Module:
+def build_critic(policy: torch.nn.Module, init_path: str | None = None) -> torch.nn.Module:
     """A value model from the policy: the same backbone (copied weights) with a fresh scalar
     head per token (``AutoModelForTokenClassification``, ``num_labels=1``, no dropout), on the
-    policy's device and in its dtype. The head starts near 0 (std ``initializer_range``)."""
+    policy's device and in its dtype. The head starts near 0 (std ``initializer_range``).
+    ``init_path``: the backbone comes from that reward model instead (same architecture)."""
     from transformers import AutoModelForTokenClassification
 
     config = copy.deepcopy(policy.config)
@@ -174,7 +175,8 @@ def build_critic(policy: torch.nn.Module) -> torch.nn.Module:
         critic = AutoModelForTokenClassification.from_config(config)
     critic.to(device=param.device, dtype=param.dtype)
     # base_model of a *ForCausalLM is its backbone: the critic starts with the policy's features.
-    critic.base_model.load_state_dict(policy.base_model.state_dict())
+    backbone = policy.base_model if init_path is None else load_reward_model(init_path, param.device, param.dtype).base_model
+    critic.base_model.load_state_dict(backbone.state_dict())
     return critic.eval()
 
 
@@ -305,7 +307,7 @@ def build_ppo_parts(cfg: PPOConfig, policy: torch.nn.Module, temperature: float)
     if cfg.kl_coef > 0:
         parts.reference = frozen_copy(policy)
     if cfg.critic == "policy_copy":
-        parts.critic = build_critic(policy)
+        parts.critic = build_critic(policy, cfg.critic_init_path)
         parts.critic_optimizer = torch.optim.AdamW(parts.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     if cfg.reward == "model":
         parts.reward_model = load_reward_model(cfg.reward_model_path, param.device, param.dtype)

@@ -146,6 +146,7 @@ def test_between_prompt_share_by_hand():
         ({"ppo": {"kl_estimator": "k2"}}, "ppo.kl_estimator"),
         ({"ppo": {"value_clip": 0}}, "ppo.value_clip"),
         ({"ppo": {"critic_epochs": 0}}, "ppo.critic_epochs"),
+        ({"ppo": {"critic_init_path": "/x"}}, "ppo.critic_init_path is set but ppo.critic is 'none'"),
         ({"ppo": {"lam": 1.5}}, "ppo.gamma and ppo.lam"),
         ({"ppo": {"kl_coef": -0.1}}, "ppo.kl_coef"),
         ({"ppo": {"critic": "shared"}}, "ppo.critic"),
@@ -252,6 +253,28 @@ def test_reward_model_learns_a_separable_toy_set():
     figures = train_reward_model(rm, train, heldout, tok.pad_token_id, steps=60, batch_size=32, lr=3e-3, seed=0)
     assert figures["reward_model/heldout_majority_acc"] == 0.5
     assert figures["reward_model/heldout_acc"] >= 0.9, figures
+
+
+def test_critic_backbone_from_a_reward_model(tmp_path):
+    """ppo.critic_init_path: the critic's backbone is the reward model's (here: the policy's
+    backbone shifted by 0.5), its per-token head a fresh one."""
+    from a3po.arithmetic import WORDS
+    from a3po.models import build_tiny_model
+    from a3po.pipeline import save_pretrained_atomic
+    from a3po.ppo import build_critic
+    from a3po.reward_model import build_reward_model
+
+    policy, tok = build_tiny_model("micro", WORDS, seed=0)
+    rm = build_reward_model(policy, tok.pad_token_id)
+    with torch.no_grad():
+        for p in rm.base_model.parameters():
+            p.add_(0.5)
+    save_pretrained_atomic(rm, tok, tmp_path / "rm")
+    critic = build_critic(policy, str(tmp_path / "rm"))
+    want, policy_w = rm.base_model.state_dict(), policy.base_model.state_dict()
+    got = critic.base_model.state_dict()
+    assert all(torch.equal(got[k], want[k]) and not torch.equal(got[k], policy_w[k]) for k in want)
+    assert not any(k.startswith("score") for k in want) and critic.score.weight.shape[0] == 1
 
 
 def test_classification_figures_by_hand():
