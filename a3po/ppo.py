@@ -175,7 +175,7 @@ def build_critic(policy: torch.nn.Module, init_path: str | None = None) -> torch
         critic = AutoModelForTokenClassification.from_config(config)
     critic.to(device=param.device, dtype=param.dtype)
     # base_model of a *ForCausalLM is its backbone: the critic starts with the policy's features.
-    backbone = policy.base_model if init_path is None else load_reward_model(init_path, param.device, param.dtype).base_model
+    backbone = policy.base_model if init_path is None else load_reward_model(init_path, param.device, param.dtype, "ppo.critic_init_path").base_model
     critic.base_model.load_state_dict(backbone.state_dict())
     return critic.eval()
 
@@ -280,7 +280,7 @@ class PPOParts:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
 
-def load_reward_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, field: str = "ppo.reward_model_path") -> torch.nn.Module:
     """A one-label sequence-classification model from a local directory (safetensors: loading
     runs no code), frozen, in eval mode."""
     from pathlib import Path
@@ -288,7 +288,7 @@ def load_reward_model(path: str, device: torch.device, dtype: torch.dtype) -> to
     from transformers import AutoModelForSequenceClassification
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"ppo.reward_model_path {path} is not a model directory")
+        raise FileNotFoundError(f"{field} {path} is not a model directory")
     rm = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
     if rm.config.num_labels != 1:
         raise ValueError(f"{path}: a reward model has one label (a scalar score), this one has {rm.config.num_labels}")

@@ -275,6 +275,8 @@ def test_critic_backbone_from_a_reward_model(tmp_path):
     got = critic.base_model.state_dict()
     assert all(torch.equal(got[k], want[k]) and not torch.equal(got[k], policy_w[k]) for k in want)
     assert not any(k.startswith("score") for k in want) and critic.score.weight.shape[0] == 1
+    with pytest.raises(FileNotFoundError, match="ppo.critic_init_path"):
+        build_critic(policy, str(tmp_path / "missing"))
 
 
 def test_classification_figures_by_hand():
