@@ -224,8 +224,17 @@ class PPOConfig:
     critic: Literal["none", "policy_copy"] = "none"
     """'policy_copy': a value model (the policy's backbone, copied at the start of RL, with a
     scalar head) trained beside the policy; needed by ``rl.advantage: gae``."""
+    critic_init_path: str | None = None
+    """A sequence-classification model directory (a reward model, ``a3po.reward_model``) whose
+    backbone the critic starts from instead of the policy's, with a fresh head (InstructGPT
+    starts its value function from the reward model); null: the policy's backbone."""
     critic_lr: float = 1e-4
     """The critic's own AdamW rate (constant after the policy's warm-up)."""
+    critic_epochs: int = 1
+    """Passes of the critic over each batch, in ``rl.minibatches`` minibatches each (the targets
+    and ``V_old`` stay those of the scoring): the policy makes one pass, the critic's regression
+    on binary outcomes needs more updates per sample (PPO implementations make several: CleanRL
+    ``update_epochs`` 4, TRL ``num_ppo_epochs`` 4)."""
     vf_coef: float = 1.0
     """Scale of the value loss (the critic has its own optimizer: with Adam it matters only
     through gradient clipping at ``rl.grad_clip``)."""
@@ -250,6 +259,10 @@ class PPOConfig:
     def __post_init__(self) -> None:
         if self.critic_lr <= 0 or self.vf_coef <= 0:
             raise ValueError("ppo.critic_lr and ppo.vf_coef must be > 0")
+        if self.critic_init_path is not None and self.critic != "policy_copy":
+            raise ValueError("ppo.critic_init_path is set but ppo.critic is 'none'")
+        if self.critic_epochs < 1:
+            raise ValueError(f"ppo.critic_epochs must be >= 1, got {self.critic_epochs}")
         if self.value_clip is not None and self.value_clip <= 0:
             raise ValueError(f"ppo.value_clip must be > 0 (or null: unclipped), got {self.value_clip}")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:

@@ -12,19 +12,26 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
 ``ppo/value_clip_frac``                 fraction of tokens where the clipped value term is
                                         active
 ``ppo/value_grad_norm``                 the critic's gradient norm before clipping
+``ppo/value_loss_last_epoch``           (ppo.critic_epochs > 1) mean value loss of the
+                                        critic's last pass over the batch
 ``ppo/value_mean``                      mean critic value on generated tokens when the batch
                                         is scored
 ``ppo/return_mean``                     mean GAE return (the critic's target) on generated
                                         tokens
 ``ppo/explained_variance``              1 - Var(R - V) / Var(R): 1 perfect critic, 0 a
-                                        constant, < 0 worse
+                                        constant, < 0 worse (per token, over the batch)
+``ppo/ev_prompt_ceiling``               share of the batch's score variance between prompts
+                                        (ANOVA): the explained variance of a critic knowing
+                                        each prompt's success rate but not judging the answer
 ``reward/model_mean``                   (reward: model) mean reward-model score,
                                         sigmoid(logit) in 0..1
 ``reward/model_grader_agreement``       fraction of samples where RM score > 0.5 matches the
                                         grader
 ``reward_model/heldout_acc``            (offline RM training, on the flow's parent run)
                                         held-out accuracy; ``reward_model/heldout_majority_acc``
-                                        is the always-commoner-label baseline
+                                        is the always-commoner-label baseline;
+                                        ``_balanced_acc`` (TPR + TNR) / 2 and ``_auc`` are
+                                        0.5 for a constant guess
 ======================================  ============================================
 """
 

@@ -121,6 +121,33 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return (1 - (r - v).var(unbiased=False) / var_r).item()
 
 
+def between_prompt_share(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Share of the outcome variance that lies between prompts (one-way random-effects ANOVA)::
+
+        MSB  = sum_g n_g (mean_g - mean)^2 / (G - 1)
+        MSW  = sum_g sum_i (y_gi - mean_g)^2 / (N - G)
+        n0   = (N - sum_g n_g^2 / N) / (G - 1)
+        s2_b = max(0, (MSB - MSW) / n0)        share = s2_b / (s2_b + MSW)
+
+    The explained variance of an oracle critic that knows each prompt's success rate and nothing
+    about the sampled answer: what a value model can reach without judging the answer itself.
+    ``scores`` ``(N,)``, ``group_ids`` ``(N,)``; 0 when the scores do not vary (as
+    :func:`explained_variance`), nan with < 2 groups or no group of 2 samples."""
+    require_same_shape(scores=scores, group_ids=group_ids)
+    y = scores.double()
+    _, inv, n_g = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n, g = len(y), len(n_g)
+    if g < 2 or n <= g:
+        return float("nan")
+    mean_g = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, y) / n_g
+    msb = (n_g * (mean_g - y.mean()) ** 2).sum() / (g - 1)
+    msw = ((y - mean_g[inv]) ** 2).sum() / (n - g)
+    n0 = (n - (n_g.double() ** 2).sum() / n) / (g - 1)
+    s2_b = ((msb - msw) / n0).clamp(min=0)
+    total = s2_b + msw
+    return (s2_b / total).item() if total > 0 else 0.0
+
+
 # --- models -------------------------------------------------------------------------------
 
 
@@ -132,10 +159,11 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def build_critic(policy: torch.nn.Module) -> torch.nn.Module:
+def build_critic(policy: torch.nn.Module, init_path: str | None = None) -> torch.nn.Module:
     """A value model from the policy: the same backbone (copied weights) with a fresh scalar
     head per token (``AutoModelForTokenClassification``, ``num_labels=1``, no dropout), on the
-    policy's device and in its dtype. The head starts near 0 (std ``initializer_range``)."""
+    policy's device and in its dtype. The head starts near 0 (std ``initializer_range``).
+    ``init_path``: the backbone comes from that reward model instead (same architecture)."""
     from transformers import AutoModelForTokenClassification
 
     config = copy.deepcopy(policy.config)
@@ -147,7 +175,8 @@ def build_critic(policy: torch.nn.Module) -> torch.nn.Module:
         critic = AutoModelForTokenClassification.from_config(config)
     critic.to(device=param.device, dtype=param.dtype)
     # base_model of a *ForCausalLM is its backbone: the critic starts with the policy's features.
-    critic.base_model.load_state_dict(policy.base_model.state_dict())
+    backbone = policy.base_model if init_path is None else load_reward_model(init_path, param.device, param.dtype, "ppo.critic_init_path").base_model
+    critic.base_model.load_state_dict(backbone.state_dict())
     return critic.eval()
 
 
@@ -225,6 +254,19 @@ class PPOParts:
         self.critic.eval()
         return {**metrics, "ppo/value_grad_norm": grad_norm.item()}
 
+    def further_critic_epochs(
+        self, batch, old_values: torch.Tensor, returns: torch.Tensor, minibatches: int, shard, seed: int, grad_clip: float
+    ) -> dict[str, float]:
+        """Passes 2..``critic_epochs`` of the critic over the batch (the first runs beside the
+        policy's minibatches), each in its own permutation drawn on the CPU from ``seed`` (the
+        same minibatches on every device and on resume); ``shard`` picks this rank's rows."""
+        losses: list[float] = []
+        for epoch in range(1, self.cfg.critic_epochs):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            perm = torch.randperm(len(batch), generator=gen).to(batch.input_ids.device)
+            losses = [self.update_critic(batch, shard(mb), old_values, returns, grad_clip)["ppo/value_loss"] for mb in perm.chunk(minibatches)]
+        return {"ppo/value_loss_last_epoch": sum(losses) / len(losses)} if losses else {}
+
     def state(self) -> dict:
         """What a checkpoint keeps (the critic and its optimizer; the reference and the reward
         model are rebuilt from the warm start and the config)."""
@@ -238,7 +280,7 @@ class PPOParts:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
 
-def load_reward_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, field: str = "ppo.reward_model_path") -> torch.nn.Module:
     """A one-label sequence-classification model from a local directory (safetensors: loading
     runs no code), frozen, in eval mode."""
     from pathlib import Path
@@ -246,7 +288,7 @@ def load_reward_model(path: str, device: torch.device, dtype: torch.dtype) -> to
     from transformers import AutoModelForSequenceClassification
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"ppo.reward_model_path {path} is not a model directory")
+        raise FileNotFoundError(f"{field} {path} is not a model directory")
     rm = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
     if rm.config.num_labels != 1:
         raise ValueError(f"{path}: a reward model has one label (a scalar score), this one has {rm.config.num_labels}")
@@ -265,7 +307,7 @@ def build_ppo_parts(cfg: PPOConfig, policy: torch.nn.Module, temperature: float)
     if cfg.kl_coef > 0:
         parts.reference = frozen_copy(policy)
     if cfg.critic == "policy_copy":
-        parts.critic = build_critic(policy)
+        parts.critic = build_critic(policy, cfg.critic_init_path)
         parts.critic_optimizer = torch.optim.AdamW(parts.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     if cfg.reward == "model":
         parts.reward_model = load_reward_model(cfg.reward_model_path, param.device, param.dtype)

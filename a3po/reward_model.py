@@ -9,7 +9,9 @@ The embedded task has an exact grader; the reward model is the PPO path's other 
 2. :func:`build_reward_model`: a causal LM with a scalar head (``AutoModelForSequenceClassification``,
    ``num_labels=1``; its logit at the last non-pad token) sharing the policy's backbone weights.
 3. :func:`train_reward_model`: binary cross-entropy on the labels; held-out accuracy on samples of
-   prompts it never saw, beside the majority-class baseline it must beat.
+   prompts it never saw, beside the majority-class baseline it must beat, balanced accuracy and
+   AUC (:func:`classification_figures`; both 0.5 for a constant guess, which accuracy can hide
+   when most samples are wrong).
 4. :func:`prepare_reward_model`: all of it once per (warm start, settings), cached in a folder
    named by a key, like the warm start (``a3po.pipeline.prepare_warmstart``).
 
@@ -28,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from a3po.checks import require_same_shape
 from a3po.devices import autocast_for, model_device, sampling_generator
 from a3po.logprobs import position_ids_from_mask
 from a3po.rewards import score_completions
@@ -38,11 +41,13 @@ from a3po.rollout import RolloutEngine, SamplingParams
 class RewardModelSettings:
     """How the reward model is sampled for and trained (part of its cache key)."""
 
-    n_prompts: int = 600
+    n_prompts: int = 800
     """Training prompts sampled (the first ``heldout_frac`` of them, shuffled, are held out)."""
-    samples_per_prompt: int = 4
+    samples_per_prompt: int = 8
+    """Several answers per prompt, some right, some near misses: the contrast the model learns
+    from (600 x 4 samples and 300 steps gave a constant guess: held-out AUC 0.50)."""
     heldout_frac: float = 0.2
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 5e-4
     seed: int = 0
@@ -117,14 +122,37 @@ def _logits(rm, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def accuracy(rm, examples: list[Example], pad_token_id: int, batch_size: int = 128) -> float:
-    """Fraction of ``examples`` whose predicted class (logit > 0) is the label."""
-    device, hits = model_device(rm), 0.0
+def example_logits(rm, examples: list[Example], pad_token_id: int, batch_size: int = 128) -> torch.Tensor:
+    """The model's logit per example ``(n,)``, fp32, on the CPU."""
     rm.eval()
-    for start in range(0, len(examples), batch_size):
-        ids, mask, labels = _batch(examples[start : start + batch_size], pad_token_id, device)
-        hits += ((_logits(rm, ids, mask) > 0).float() == (labels > 0.5).float()).sum().item()
-    return hits / max(len(examples), 1)
+    device = model_device(rm)
+    return torch.cat([_logits(rm, *_batch(examples[s : s + batch_size], pad_token_id, device)[:2]).cpu() for s in range(0, len(examples), batch_size)])
+
+
+def classification_figures(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """How well ``logits`` ``(n,)`` (class 1 when > 0) separate binary ``labels`` ``(n,)``::
+
+        acc          = mean(1[logit > 0] == label)
+        majority_acc = max(p, 1 - p),  p = mean(label)      (always the commoner label)
+        balanced_acc = (TPR + TNR) / 2                       (0.5 for any constant guess)
+        auc          = P(logit_i > logit_j | label_i = 1, label_j = 0), ties count 1/2
+                       (Mann-Whitney U / (n_pos n_neg), from ranks; threshold-free; nan with one class)
+    """
+    require_same_shape(logits=logits, labels=labels)
+    y, pred = labels > 0.5, logits > 0
+    pos, neg = logits[y], logits[~y]
+    p = y.float().mean().item() if len(y) else 0.0
+    tpr = (pred & y).sum().item() / max(len(pos), 1)
+    tnr = (~pred & ~y).sum().item() / max(len(neg), 1)
+    if len(pos) and len(neg):
+        # By ranks (average ranks for ties): U = sum of the positives' ranks - n_pos (n_pos + 1) / 2.
+        _, inv, counts = torch.unique(logits.double(), return_inverse=True, return_counts=True)
+        ranks = (counts.cumsum(0) - (counts - 1) / 2)[inv]  # 1-based
+        auc = ((ranks[y].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))).item()
+    else:
+        auc = float("nan")
+    return {"acc": (pred == y).float().mean().item() if len(y) else 0.0, "majority_acc": max(p, 1 - p),
+            "balanced_acc": (tpr + tnr) / 2, "auc": auc, "positive_frac": p}
 
 
 def train_reward_model(
@@ -147,12 +175,16 @@ def train_reward_model(
         opt.step()
         loss_val = loss.item()
     rm.eval()
-    pos = sum(e.label > 0.5 for e in heldout) / len(heldout)
+    held = classification_figures(example_logits(rm, heldout, pad_token_id), torch.tensor([e.label for e in heldout]))
+    tr = classification_figures(example_logits(rm, train, pad_token_id), torch.tensor([e.label for e in train]))
     return {
-        "reward_model/heldout_acc": accuracy(rm, heldout, pad_token_id),
-        "reward_model/heldout_majority_acc": max(pos, 1 - pos),  # the baseline of always guessing the commoner label
-        "reward_model/heldout_positive_frac": pos,
-        "reward_model/train_acc": accuracy(rm, train, pad_token_id),
+        "reward_model/heldout_acc": held["acc"],
+        "reward_model/heldout_majority_acc": held["majority_acc"],  # the baseline of always guessing the commoner label
+        "reward_model/heldout_balanced_acc": held["balanced_acc"],
+        "reward_model/heldout_auc": held["auc"],
+        "reward_model/heldout_positive_frac": held["positive_frac"],
+        "reward_model/train_acc": tr["acc"],
+        "reward_model/train_auc": tr["auc"],
         "reward_model/train_loss": loss_val,
         "reward_model/n_train": float(len(train)),
         "reward_model/n_heldout": float(len(heldout)),

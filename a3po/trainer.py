@@ -28,7 +28,7 @@ from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.producers import ROLLOUT_PLACEMENTS, RolloutInputs, placement_name
-from a3po.ppo import PPOParts, build_ppo_parts, explained_variance, token_rewards
+from a3po.ppo import PPOParts, between_prompt_share, build_ppo_parts, explained_variance, token_rewards
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.rewards import check_grader, score_completions
 from a3po.stability import TokenStats, stability_metrics
@@ -85,6 +85,7 @@ def train_step(
     ppo_metrics.update(kl_metrics)
     if values is not None:
         ppo_metrics.update(_value_metrics(values, est.returns, resp))
+        ppo_metrics["ppo/ev_prompt_ceiling"] = between_prompt_share(scores, group_ids)  # what knowing each prompt's rate explains
 
     # 2. Staleness of every generated token: trainer version minus the version that sampled it.
     staleness = torch.where(resp, version - batch.versions, torch.full_like(batch.versions, -1))
@@ -147,6 +148,8 @@ def train_step(
         entropy_sum += ent[resp[mb]].sum().item()
         entropy_n += int(resp[mb].sum())
     policy.eval()
+    if est.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
+        ppo_metrics.update(ppo.further_critic_epochs(batch, values, est.returns, cfg.minibatches, ranks.shard, cfg.seed * 100_003 + version, cfg.grad_clip))
 
     # 5. Metrics: the minibatches' combined (stability over all the step's tokens), plus rollout-level figures.
     step_time = time.perf_counter() - t_start

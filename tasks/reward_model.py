@@ -3,8 +3,8 @@
 
 Trained offline once per (warm start, settings) from samples of the warm-started policy that
 the grader labelled, cached like the warm start (the library's folder key + Prefect's cache
-record); its held-out accuracy, beside the majority-class baseline, is logged on the flow's
-MLflow parent run as ``reward_model/*``. Use its ``dir`` as ``ppo.reward_model_path``.
+record); its held-out accuracy, beside the majority-class baseline, balanced accuracy and AUC,
+is logged on the flow's MLflow parent run as ``reward_model/*``. Use its ``dir`` as ``ppo.reward_model_path``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def train_reward_model(
     out, figures = prepare_reward_model(cfg, warmstart.dir, cache_root, settings, log=run_logger().info)
     seconds = time.perf_counter() - t0
     run_logger().info(f"reward model: held-out accuracy {figures['reward_model/heldout_acc']:.3f} "
-                      f"(majority baseline {figures['reward_model/heldout_majority_acc']:.3f})")
+                      f"(majority baseline {figures['reward_model/heldout_majority_acc']:.3f}, "
+                      # .get: a model cached before these figures existed has only the first two
+                      f"balanced {figures.get('reward_model/heldout_balanced_acc', float('nan')):.3f}, "
+                      f"AUC {figures.get('reward_model/heldout_auc', float('nan')):.3f})")
     if tracking is not None:
         log_metrics_now(client_for(tracking.tracking_uri), tracking.parent_run_id, figures)
     return RewardModel(

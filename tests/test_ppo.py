@@ -16,7 +16,7 @@ from a3po.config import ConfigError, config_from_dict, preset, with_overrides
 from a3po.ppo import PPOParts, clipped_value_loss, explained_variance, kl_penalty, token_rewards
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
-PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
+PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
 
 
 # --- pure functions, by hand -------------------------------------------------------------
@@ -117,6 +117,22 @@ def test_explained_variance():
     assert explained_variance(torch.full_like(ret, 2.0), ret, mask) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_between_prompt_share_by_hand():
+    from a3po.ppo import between_prompt_share
+
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    # groups (1, 1, 0) and (0, 0, 0): means 2/3 and 0, grand mean 1/3.
+    # MSB = 3 (1/3)^2 + 3 (1/3)^2 = 2/3 over G - 1 = 1; MSW = ((1/3)^2 2 + (2/3)^2) / (6 - 2) = 1/6;
+    # n0 = (6 - 18/6) / 1 = 3; s2_b = (2/3 - 1/6) / 3 = 1/6; share = (1/6) / (1/6 + 1/6) = 0.5.
+    assert between_prompt_share(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), g) == pytest.approx(0.5)
+    # All the variance between prompts (each prompt always right or always wrong): 1.
+    assert between_prompt_share(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), g) == pytest.approx(1.0)
+    # Same rate in both prompts: MSB = 0 < MSW, clamped to 0 (nothing a prompt-level critic can know).
+    assert between_prompt_share(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), g) == 0.0
+    assert between_prompt_share(torch.zeros(6), g) == 0.0  # nothing varies, nothing to explain
+    assert math.isnan(between_prompt_share(torch.tensor([1.0, 0.0]), torch.tensor([0, 0])))
+
+
 # --- config ------------------------------------------------------------------------------
 
 
@@ -129,6 +145,8 @@ def test_explained_variance():
         ({"ppo": {"reward_model_path": "/x"}}, "ppo.reward is 'grader'"),
         ({"ppo": {"kl_estimator": "k2"}}, "ppo.kl_estimator"),
         ({"ppo": {"value_clip": 0}}, "ppo.value_clip"),
+        ({"ppo": {"critic_epochs": 0}}, "ppo.critic_epochs"),
+        ({"ppo": {"critic_init_path": "/x"}}, "ppo.critic_init_path is set but ppo.critic is 'none'"),
         ({"ppo": {"lam": 1.5}}, "ppo.gamma and ppo.lam"),
         ({"ppo": {"kl_coef": -0.1}}, "ppo.kl_coef"),
         ({"ppo": {"critic": "shared"}}, "ppo.critic"),
@@ -179,6 +197,24 @@ def test_micro_ppo_run_completes_with_the_ppo_metrics(variant, micro_warmstart, 
     assert any(k.startswith("score.") for k in state["critic"]) and state["critic_optimizer"]["state"]
 
 
+def test_critic_makes_critic_epochs_passes_per_batch(micro_warmstart, tmp_path):
+    """ppo.critic_epochs 3 on micro (rl.minibatches 2), 2 steps: the critic's optimizer takes
+    2 steps x 2 minibatches x 3 passes = 12 steps (the policy's own optimizer: 2 x 2 = 4)."""
+    from a3po.checkpoint import load_latest_checkpoint
+    from a3po.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.pipeline import train_variant
+
+    cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "steps": 2, "eval_every": 2}, ppo={**PPO_MICRO["ppo"], "critic_epochs": 3})
+    ws_dir, ws_acc = micro_warmstart
+    train_variant(cfg, tmp_path / "run", ws_dir, ws_acc, logger=JsonlLogger(tmp_path / "m.jsonl"))
+    _, state = load_latest_checkpoint(tmp_path / "run" / "checkpoints")
+    critic_steps = {int(s["step"]) for s in state["critic_optimizer"]["state"].values()}
+    policy_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert critic_steps == {12} and policy_steps == {4}, (critic_steps, policy_steps)
+    rows = read_metrics_jsonl(tmp_path / "m.jsonl")
+    assert all(math.isfinite(r["ppo/value_loss_last_epoch"]) for r in rows)
+
+
 def test_grpo_step_adds_no_ppo_parts_or_metrics(micro_warmstart, tmp_path):
     from a3po.metrics import JsonlLogger, read_metrics_jsonl
     from a3po.pipeline import train_variant
@@ -219,6 +255,45 @@ def test_reward_model_learns_a_separable_toy_set():
     assert figures["reward_model/heldout_acc"] >= 0.9, figures
 
 
+def test_critic_backbone_from_a_reward_model(tmp_path):
+    """ppo.critic_init_path: the critic's backbone is the reward model's (here: the policy's
+    backbone shifted by 0.5), its per-token head a fresh one."""
+    from a3po.arithmetic import WORDS
+    from a3po.models import build_tiny_model
+    from a3po.pipeline import save_pretrained_atomic
+    from a3po.ppo import build_critic
+    from a3po.reward_model import build_reward_model
+
+    policy, tok = build_tiny_model("micro", WORDS, seed=0)
+    rm = build_reward_model(policy, tok.pad_token_id)
+    with torch.no_grad():
+        for p in rm.base_model.parameters():
+            p.add_(0.5)
+    save_pretrained_atomic(rm, tok, tmp_path / "rm")
+    critic = build_critic(policy, str(tmp_path / "rm"))
+    want, policy_w = rm.base_model.state_dict(), policy.base_model.state_dict()
+    got = critic.base_model.state_dict()
+    assert all(torch.equal(got[k], want[k]) and not torch.equal(got[k], policy_w[k]) for k in want)
+    assert not any(k.startswith("score") for k in want) and critic.score.weight.shape[0] == 1
+    with pytest.raises(FileNotFoundError, match="ppo.critic_init_path"):
+        build_critic(policy, str(tmp_path / "missing"))
+
+
+def test_classification_figures_by_hand():
+    from a3po.reward_model import classification_figures
+
+    # labels 1 1 0 0 0, logits 2 -1 1 -3 -1: predicted 1 0 1 0 0.
+    # acc 3/5; majority 3/5; TPR 1/2, TNR 2/3 -> balanced 7/12.
+    # AUC: pairs (pos, neg): 2 beats 1, -3, -1 (3); -1 loses to 1, beats -3, ties -1 (1.5) -> 4.5 / 6 = 0.75.
+    f = classification_figures(torch.tensor([2.0, -1.0, 1.0, -3.0, -1.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert f["acc"] == pytest.approx(0.6) and f["majority_acc"] == pytest.approx(0.6) and f["positive_frac"] == pytest.approx(0.4)
+    assert f["balanced_acc"] == pytest.approx(7 / 12) and f["auc"] == pytest.approx(0.75)
+    # A constant guess: accuracy can equal the majority baseline, balanced accuracy and AUC stay at 0.5.
+    const = classification_figures(torch.full((5,), -1.0), torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert const["acc"] == pytest.approx(0.8) == const["majority_acc"] and const["balanced_acc"] == 0.5 and const["auc"] == 0.5
+    assert math.isnan(classification_figures(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))["auc"])
+
+
 def test_reward_model_reward_in_a_ppo_run_and_task_logs_accuracy(micro_warmstart, tmp_path):
     """The Prefect task trains (then finds in its cache) the reward model of the micro warm start
     and logs its held-out accuracy on a real MLflow parent run; a PPO run then uses it as reward."""
@@ -243,6 +318,7 @@ def test_reward_model_reward_in_a_ppo_run_and_task_logs_accuracy(micro_warmstart
     logged = client.get_run(ref.parent_run_id).data.metrics
     assert logged["reward_model/heldout_acc"] == pytest.approx(rm.heldout_acc)
     assert 0.0 <= rm.heldout_acc <= 1.0 and logged["reward_model/n_heldout"] > 0
+    assert {"reward_model/heldout_balanced_acc", "reward_model/heldout_auc", "reward_model/heldout_majority_acc"} <= set(logged)
     again = train_reward_model.fn(cfg, ws, str(tmp_path / "cache"), None, settings)
     assert again.dir == rm.dir and again.heldout_acc == rm.heldout_acc
     assert json.loads((tmp_path / "cache" / f"reward-model-{rm.key}" / "a3po_reward_model.json").read_text())
