@@ -14,15 +14,15 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
 
 from a3po.arithmetic import WORDS
 from a3po.config import ConfigError, OppoConfig, preset, with_overrides
 from a3po.intra import IntraScoring
 from a3po.logprobs import token_logprobs
 from a3po.models import build_tiny_model
-from a3po.ppo import PPOParts, build_critic, frozen_copy, reward_model_scores, token_values
+from a3po.ppo import reward_model_scores, token_values
 from a3po.rollout import RolloutEngine, SamplingParams
+from ppo_parts import micro_ppo_parts
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -36,14 +36,8 @@ def test_streamed_tensors_equal_the_trainers_one_shot_functions():
     (pooled at the rightmost non-pad token like the sequence-classification forward) of a
     batch sampled with the engine's on_token hook, chunk size 3 (chunks straddle EOS)."""
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
-    other, _ = build_tiny_model("micro", WORDS, seed=1)  # a reference unlike the actor: KL is not 0
-    cfg = other.config.__class__(**{**other.config.to_dict(), "num_labels": 1, "pad_token_id": tok.pad_token_id})
-    torch.manual_seed(3)
-    rm = AutoModelForSequenceClassification.from_config(cfg).eval()
-    critic = build_critic(policy)
-    with torch.no_grad():  # a critic head far from 0, so a wrong shift or column shows
-        critic.score.weight.normal_(0, 1.0)
-    parts = PPOParts(reference=frozen_copy(other), critic=critic, reward_model=rm, temperature=1.0)
+    parts = micro_ppo_parts(policy, tok)
+    critic, rm = parts.critic, parts.reward_model
     intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id, keep=2)
     try:
         intra.publish_critic(0, critic)

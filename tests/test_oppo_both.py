@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
 
 from a3po.arithmetic import WORDS, generate_split
 from a3po.config import OppoConfig, preset, with_overrides
@@ -19,8 +18,9 @@ from a3po.intra import IntraScoring
 from a3po.logprobs import token_logprobs
 from a3po.models import build_tiny_model
 from a3po.overcommit import DeltaController, OverlapProducer
-from a3po.ppo import PPOParts, build_critic, frozen_copy, reward_model_scores, token_values
+from a3po.ppo import build_critic, reward_model_scores, token_values
 from a3po.rollout import RolloutEngine, SamplingParams
+from ppo_parts import micro_ppo_parts
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -33,17 +33,6 @@ def _eos_boost(model, tok, boost=4.0):
     groups finish while others are still decoding and get carried over."""
     one_hot = torch.nn.functional.one_hot(torch.tensor(tok.eos_token_id), model.config.vocab_size).float()
     return model.lm_head.register_forward_hook(lambda m, i, o: o + boost * one_hot)
-
-
-def _parts(policy, tok):
-    other, _ = build_tiny_model("micro", WORDS, seed=1)  # a reference unlike the actor: KL is not 0
-    cfg = other.config.__class__(**{**other.config.to_dict(), "num_labels": 1, "pad_token_id": tok.pad_token_id})
-    torch.manual_seed(3)
-    rm = AutoModelForSequenceClassification.from_config(cfg).eval()
-    critic = build_critic(policy)
-    with torch.no_grad():  # a critic head far from 0, so a wrong shift or column shows
-        critic.score.weight.normal_(0, 1.0)
-    return PPOParts(reference=frozen_copy(other), critic=critic, reward_model=rm, temperature=1.0)
 
 
 def _producer(model, tok, sampler, store, intra, start=0, delta=2):
@@ -79,7 +68,7 @@ def test_carried_then_finished_sequences_are_scored_as_one_shot(chunk):
     log-probs, critic values and reward-model scores equal one-shot scoring of that batch,
     including answers decoded over two or more steps (re-prefilled prompt + partial answer)."""
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
-    parts = _parts(policy, tok)
+    parts = micro_ppo_parts(policy, tok)
     intra = IntraScoring(parts, OppoConfig(chunk_min=chunk, chunk_max=chunk), tok.pad_token_id, keep=8)
     hook = _eos_boost(policy, tok)
     store = WeightStore(keep=8)
@@ -112,7 +101,7 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
     from a3po.checkpoint import load_checkpoint, save_checkpoint
 
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
-    parts = _parts(policy, tok)
+    parts = micro_ppo_parts(policy, tok)
     hook = _eos_boost(policy, tok)
     sampler = PromptSampler(generate_split(40, "train", seed=0), tok, B, G, seed=0)
     store = WeightStore(keep=4)
