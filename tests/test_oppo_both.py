@@ -84,6 +84,8 @@ def test_carried_then_finished_sequences_are_scored_as_one_shot(chunk):
             _assert_streamed_equals_one_shot(parts, scored)
             carried_rows += sum(m["steps_seen"] >= 2 for m in scored.rollout.meta)
             assert scored.metrics["oppo/chunk_size"] == chunk
+            # The chunk tuner's state travels with the batch, for the checkpoint of the batch trained last.
+            assert scored.intra_state is not None and scored.intra_state == intra.state_dict()
     finally:
         hook.remove()
         intra.close()
