@@ -32,5 +32,7 @@ def test_micro_ppo_bench_runs_every_setting():
     assert set(out["settings"]) == {"off", "intra", "inter", "both"}
     assert not any("refused" in f for f in out["settings"].values())
     assert out["settings"]["both"]["chunk_sizes"] == [16] and out["settings"]["both"]["carried_mean"] >= 0
-    assert out["settings"]["off"]["bound_by"] == "in turn" and out["trl_ppo"] == "not run"
+    assert out["settings"]["off"]["bound_by"] == "in turn"
+    # Without TRL 1.12 in this environment the TRL row says why and how to install it.
+    assert isinstance(out["trl_ppo"], dict) or out["trl_ppo"].startswith("not run: ") and "bench-ppo" in out["trl_ppo"]
     assert {"speedup_intra", "speedup_inter", "speedup_both"} <= set(out)
