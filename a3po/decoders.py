@@ -21,6 +21,7 @@ they were when it was built: after a weight swap the engine builds a new one and
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, Protocol
 
 import torch
@@ -142,6 +143,40 @@ def _rotate_half_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tenso
     return torch.cat((-w[:, half:], w[:, :half]), dim=1).reshape(heads * head_dim, *w.shape[2:])
 
 
+_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+
+
+def _fused_layers(model: torch.nn.Module) -> list[tuple]:
+    """Per layer: the norms, ``q | k | v | rotate_half(q) | rotate_half(k)`` and ``gate | up`` fused
+    weights and the transposed output weights. Built once per set of weights and reused by the
+    decoders of later batches (each batch builds a decoder; copying every weight each time would
+    cost a model's worth of memory traffic per batch). Any in-place change of a parameter
+    (``load_state_dict``, an optimizer step) bumps its version counter and rebuilds them."""
+    key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+    cached = _FUSED.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    cfg, core = model.config, model.model
+    attn0 = core.layers[0].self_attn
+    hd, nq, nk = attn0.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = []
+    with torch.no_grad():
+        for layer in core.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                  _rotate_half_rows(a.q_proj.weight, nq, hd), _rotate_half_rows(a.k_proj.weight, nk, hd)]
+            bq, bk = a.q_proj.bias, a.k_proj.bias
+            b_proj = _cat_bias(ws, [bq, bk, a.v_proj.bias, None if bq is None else _rotate_half_rows(bq, nq, hd),
+                                    None if bk is None else _rotate_half_rows(bk, nk, hd)])
+            gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
+            layers.append((
+                layer.input_layernorm.weight, torch.cat(ws), b_proj, a.o_proj.weight.t(), a.o_proj.bias,
+                layer.post_attention_layernorm.weight, torch.cat(gate_up),
+                _cat_bias(gate_up, [mlp.gate_proj.bias, mlp.up_proj.bias]), mlp.down_proj.weight.t(), mlp.down_proj.bias))
+    _FUSED[model] = (key, layers)
+    return layers
+
+
 class LlamaLikeDecoder:
     """Pre-norm decoder layers: ``x += o(attn(rope(q), rope(k), v))``, ``x += down(silu(gate) * up)``,
     RMSNorm before each, tied or untied head.
@@ -162,20 +197,7 @@ class LlamaLikeDecoder:
         self.eps = core.norm.variance_epsilon
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # Weights taken now (a weight swap builds a new decoder).
-        self.layers = []
-        for layer in core.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                  _rotate_half_rows(a.q_proj.weight, nq, hd), _rotate_half_rows(a.k_proj.weight, nk, hd)]
-            bq, bk = a.q_proj.bias, a.k_proj.bias
-            b_proj = _cat_bias(ws, [bq, bk, a.v_proj.bias, None if bq is None else _rotate_half_rows(bq, nq, hd),
-                                    None if bk is None else _rotate_half_rows(bk, nk, hd)])
-            gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
-            self.layers.append((
-                layer.input_layernorm.weight, torch.cat(ws), b_proj, a.o_proj.weight.t(), a.o_proj.bias,
-                layer.post_attention_layernorm.weight, torch.cat(gate_up),
-                _cat_bias(gate_up, [mlp.gate_proj.bias, mlp.up_proj.bias]), mlp.down_proj.weight.t(), mlp.down_proj.bias))
+        self.layers = _fused_layers(model)  # the weights as they are now (a weight swap builds a new decoder)
         self.embed, self.norm, self.head = core.embed_tokens.weight, core.norm.weight, model.lm_head
         self.k_t = [torch.empty((n * nk, hd, max_width), dtype=self.dtype, device=self.device) for _ in core.layers]
         self.v = [torch.empty((n * nk, max_width, hd), dtype=self.dtype, device=self.device) for _ in core.layers]

@@ -3,6 +3,7 @@ engine (behaviour log-probs, one decode step at a time) and the trainer (one ful
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -54,7 +55,7 @@ def token_logprobs(
     """
     length = input_ids.shape[1]
     start = max(1, min(start, length))
-    keep = {"logits_to_keep": length - start + 1} if start > 1 and _takes_logits_to_keep(model) else {}
+    keep = {"logits_to_keep": length - start + 1} if start > 1 and _takes_logits_to_keep(type(model)) else {}
     with autocast_for(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                     use_cache=False, **keep)
@@ -71,5 +72,6 @@ def token_logprobs(
     return logp, ent
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+@functools.cache  # per model class: this runs for every training minibatch
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters

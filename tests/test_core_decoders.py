@@ -97,3 +97,22 @@ def test_decoder_choice_falls_back_to_the_generic_path():
         handle.remove()
     with pytest.raises(KeyError, match="valid"):
         RolloutEngine(model, EOS, PAD, decoder="nope")
+
+
+def test_new_weights_loaded_in_place_are_decoded_with_not_the_fused_copy_of_the_old_ones():
+    """The fast decoder reuses its fused weights across batches; weights loaded in place
+    (``load_state_dict``, as the engine's weight push does) must be the ones decoded with."""
+    model, other = _qwen2(), _qwen2()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0.0, 0.5)
+    engine = RolloutEngine(model, EOS, PAD, decoder="llama_like")
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate(prompts, params)
+    engine.load_weights(other.state_dict(), version=1)
+    after = engine.generate(prompts, params)
+    fresh = RolloutEngine(_qwen2(), EOS, PAD, decoder="llama_like")
+    fresh.load_weights(other.state_dict(), version=1)
+    expected = fresh.generate(prompts, params)
+    assert torch.equal(after.input_ids, expected.input_ids) and torch.equal(after.behav_logp, expected.behav_logp)
+    assert not torch.equal(before.behav_logp, after.behav_logp)  # the new weights do decode differently
