@@ -5,8 +5,8 @@ named ``<variant>`` when OPPO is off and ``<variant>+oppo-<mode>`` otherwise, e.
 ``loglinear+oppo-inter``. The name is a function of the config (:func:`arm_name`), so a run's
 folder, MLflow child run, table row and plot line all carry it, and :func:`arm_config` builds the
 config of a name. The modes are a registry (name -> ``oppo`` section values); a mode the config
-does not support yet (intra on the GRPO path, intra + inter) is refused when the config is built,
-naming the field.
+does not support (intra or both on the GRPO path, which has no scoring model) is refused when the
+config is built, naming the field.
 
 ``+`` is not allowed in MLflow metric keys: :func:`metric_key_part` writes an arm inside one
 (``loglinear_oppo-inter``).
