@@ -151,7 +151,10 @@ def _fused_layers(model: torch.nn.Module) -> list[tuple]:
     weights and the transposed output weights. Built once per set of weights and reused by the
     decoders of later batches (each batch builds a decoder; copying every weight each time would
     cost a model's worth of memory traffic per batch). Any in-place change of a parameter
-    (``load_state_dict``, an optimizer step) bumps its version counter and rebuilds them."""
+    (``load_state_dict``, an optimizer step) bumps its version counter and rebuilds them; writes
+    through ``param.data`` bypass that counter (DeepSpeed copies its master weights that way), so
+    the rollout engine also drops the copy whenever it is built or loads weights
+    (:func:`forget_fused`)."""
     key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
     cached = _FUSED.get(model)
     if cached is not None and cached[0] == key:
@@ -175,6 +178,11 @@ def _fused_layers(model: torch.nn.Module) -> list[tuple]:
                 _cat_bias(gate_up, [mlp.gate_proj.bias, mlp.up_proj.bias]), mlp.down_proj.weight.t(), mlp.down_proj.bias))
     _FUSED[model] = (key, layers)
     return layers
+
+
+def forget_fused(model: torch.nn.Module) -> None:
+    """Drop ``model``'s fused weights: the next decoder rebuilds them from its parameters."""
+    _FUSED.pop(model, None)
 
 
 class LlamaLikeDecoder:

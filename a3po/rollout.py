@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from a3po.decoders import decoder_for
+from a3po.decoders import decoder_for, forget_fused
 from a3po.devices import model_device, sampling_generator
 from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
 from a3po.padding import left_pad
@@ -88,12 +88,14 @@ class RolloutEngine:
         self.version = version
         self.decoder = decoder
         decoder_for(model, decoder)  # an unknown or unsupported decoder fails here, not at the first batch
+        forget_fused(model)  # the model may have changed since another engine decoded it
 
     # --- the rollout-engine interface (a3po.engines): what the controller calls -----------------
     mid_batch_updates = True  # between_steps may swap weights between decode steps
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state)
+        forget_fused(self.model)
         self.version = version
 
     def generate_batch(
