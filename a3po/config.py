@@ -143,6 +143,15 @@ class RLConfig:
     lr_min_ratio: float = 0.1
     minibatches: int = 4
     """Optimizer steps per training batch; the trust region acts across them."""
+    minibatch_split: str = "groups"
+    """How the batch is cut into minibatches (``a3po.minibatches``): 'groups' (whole GRPO groups
+    per minibatch, as verl splits; their shared prompt runs once) or 'rows' (rows shuffled, as
+    TRL's GRPOTrainer does)."""
+    shared_prompt_forward: bool = True
+    """Training forwards (and recompute's proximal one) run each distinct prompt of a minibatch
+    once and the responses on top of its KV cache (``a3po.logprobs.response_logits``): the same
+    log-probs and gradients up to float rounding, at the cost of ``k * prompt + rows * response``
+    token positions instead of ``rows * (prompt + response)``. False: one plain forward per row."""
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     behav_weight_cap: float | None = 5.0
@@ -194,10 +203,12 @@ class RLConfig:
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
         from a3po.advantages import ADVANTAGE_ESTIMATORS
+        from a3po.minibatches import MINIBATCH_SPLITS
         from a3po.proximal import PROXIMAL_METHODS
 
         for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),
-                                      ("proximal", PROXIMAL_METHODS, self.proximal or self.variant.proximal_method)):
+                                      ("proximal", PROXIMAL_METHODS, self.proximal or self.variant.proximal_method),
+                                      ("minibatch_split", MINIBATCH_SPLITS, self.minibatch_split)):
             try:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
@@ -717,12 +728,19 @@ def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
 RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "distributed.rollout_workers")
 
 
+# Fields added with a default that computes differently from the code before them: a saved
+# config that lacks one was run the old way, so it counts as this value (resuming it under the
+# new default is then refused, naming the field, rather than silently changing the run).
+FIELDS_BEFORE_THEY_EXISTED = {"rl": {"minibatch_split": "rows", "shared_prompt_forward": False}}
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the fields whose values differ between two :func:`config_to_dict`
     results (fields in :data:`RESUME_NEUTRAL_FIELDS` aside), e.g. ``["rl.lr", "rl.steps"]``.
-    A field the saved config lacks (added in a later version) counts as its default."""
+    A field the saved config lacks (added in a later version) counts as its default, or as its
+    value in :data:`FIELDS_BEFORE_THEY_EXISTED`."""
     if not prefix:
-        saved = _with_defaults(saved, config_to_dict(TrainConfig()))
+        saved = _with_defaults(_with_defaults(saved, FIELDS_BEFORE_THEY_EXISTED), config_to_dict(TrainConfig()))
     out = []
     for key in sorted(set(saved) | set(current)):
         dotted = f"{prefix}{key}"

@@ -1,5 +1,6 @@
 """Log-probs of the distribution tokens are actually sampled from, shared by the rollout
-engine (behaviour log-probs, one decode step at a time) and the trainer (one full forward)."""
+engine (behaviour log-probs, one decode step at a time) and the trainer (one full forward, or
+one forward per distinct prompt plus one over the responses: :func:`response_logits`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 import inspect
 
 import torch
+from transformers import DynamicCache
 
 from a3po.devices import autocast_for
 
@@ -45,21 +47,20 @@ def token_logprobs(
     top_p: float = 1.0,
     return_entropy: bool = False,
     start: int = 1,
+    share_prompt: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of ``input_ids[:, t]`` given the prefix, aligned to ``input_ids``.
 
     Returns ``(B, L)``, 0 in the columns before ``start`` (column 0 has no prefix; the trainer
-    passes the prompt width, so the head and the softmax run on the response's positions only,
-    where the model accepts ``logits_to_keep``). With ``return_entropy`` also the entropy of the
-    next-token distribution at each position, same alignment.
+    passes the prompt width, so the head and the softmax run on the response's positions only).
+    With ``share_prompt``, rows whose first ``start`` columns are the same run them once
+    (:func:`response_logits`). With ``return_entropy`` also the entropy of the next-token
+    distribution at each position, same alignment.
     """
     length = input_ids.shape[1]
     start = max(1, min(start, length))
-    keep = {"logits_to_keep": length - start + 1} if start > 1 and _takes_logits_to_keep(type(model)) else {}
     with autocast_for(model):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                    use_cache=False, **keep)
-    logits = out.logits[:, -(length - start + 1):-1]  # positions start-1 .. L-2 predict columns start .. L-1
+        logits = response_logits(model, input_ids, attention_mask, start, share_prompt)
     logp_all = sampling_log_softmax(logits, temperature, top_p)  # (B, L - start, V)
     picked = logp_all.gather(-1, input_ids[:, start:, None]).squeeze(-1)
     logp = torch.cat([picked.new_zeros((picked.shape[0], start)), picked], dim=1)
@@ -72,6 +73,50 @@ def token_logprobs(
     return logp, ent
 
 
+def response_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, share_prompt: bool = False
+) -> torch.Tensor:
+    """Logits ``(B, L - start, V)`` at positions ``start - 1 .. L - 2``: those predicting columns
+    ``start .. L - 1``.
+
+    Plain: one forward of every row over all ``L`` columns. Shared prompt: the ``k`` distinct
+    prefixes (columns ``< start``, ids and mask) run once with a KV cache, the cache is indexed
+    out to the ``B`` rows, and the remaining columns run on top of it. A causal model's states at
+    a position do not depend on later ones, so the logits are the plain ones up to float
+    rounding, and the gradient reaches the prefix's computation through the cache. For a GRPO
+    minibatch the prefix is the prompt, shared by the rows of a group: the forward then costs
+    ``k * start + B * (L - start)`` token positions instead of ``B * L``. Falls back to plain
+    when no prefix repeats, the model takes no cache, or gradient checkpointing would drop it.
+    """
+    length, n = input_ids.shape[1], input_ids.shape[0]
+    positions = position_ids_from_mask(attention_mask)
+    forward = _forward_parameters(type(getattr(model, "module", model)))  # a DeepSpeed engine wraps the model
+    keep = (lambda k: {"logits_to_keep": k}) if "logits_to_keep" in forward else (lambda k: {})
+    cache_kw = next((kw for kw in ("cache", "past_key_values") if kw in forward), None)  # transformers 5 renamed it
+    if share_prompt and cache_kw is not None and 1 < start < length and not _cache_dropped(model):
+        prefix = torch.cat([input_ids[:, :start], attention_mask[:, :start].to(input_ids.dtype)], dim=1)
+        distinct, inverse = torch.unique(prefix, dim=0, return_inverse=True)
+        if len(distinct) < n:
+            first = torch.full((len(distinct),), n, device=input_ids.device).scatter_reduce(
+                0, inverse, torch.arange(n, device=input_ids.device), "amin")  # a row holding each prefix
+            cache = DynamicCache()
+            head = model(input_ids=input_ids[first, :start], attention_mask=attention_mask[first, :start],
+                         position_ids=positions[first, :start], use_cache=True, **{cache_kw: cache}, **keep(1))
+            cache.reorder_cache(inverse)  # (k, ...) -> (B, ...): an index_select, differentiable
+            tail = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=positions[:, start:],
+                         use_cache=True, **{cache_kw: cache}, **keep(length - start))
+            return torch.cat([head.logits[:, -1:][inverse], tail.logits[:, :-1]], dim=1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                **(keep(length - start + 1) if start > 1 else {}))
+    return out.logits[:, -(length - start + 1):-1]
+
+
 @functools.cache  # per model class: this runs for every training minibatch
-def _takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _cache_dropped(model: torch.nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing will drop the cache in this forward (its
+    layers then run without the prompt's keys and values)."""
+    return model.training and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

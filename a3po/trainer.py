@@ -27,6 +27,7 @@ from a3po.evaluate import evaluate_heldout
 from a3po.logprobs import token_logprobs
 from a3po.losses import decoupled_ppo_loss
 from a3po.metrics import MetricLogger, NullLogger, rewind_logger
+from a3po.minibatches import MINIBATCH_SPLITS
 from a3po.producers import ROLLOUT_PLACEMENTS, RolloutInputs, placement_name
 from a3po.ppo import PPOParts, between_prompt_share, build_ppo_parts, explained_variance, token_rewards
 from a3po.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
@@ -97,20 +98,23 @@ def train_step(
     exact_prox = None
     if method.needs_forward:
         with torch.no_grad():
-            exact_prox = token_logprobs(policy, ids, attn, cfg.temperature, start=batch.prompt_len)
+            exact_prox = token_logprobs(policy, ids, attn, cfg.temperature, start=batch.prompt_len,
+                                        share_prompt=cfg.shared_prompt_forward)
         synchronize(device)  # time the forward, not its launch (no-op on CPU)
     prox_time = time.perf_counter() - t0
 
-    # 4. Minibatch updates of the decoupled PPO loss. The permutation is drawn on the CPU and
-    #    moved: the same minibatches on every device.
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + version)).to(device)
+    # 4. Minibatch updates of the decoupled PPO loss. The order is drawn on the CPU and moved:
+    #    the same minibatches on every device.
+    split = MINIBATCH_SPLITS.get(cfg.minibatch_split)
+    perm = split(group_ids, torch.Generator().manual_seed(cfg.seed * 100_003 + version)).to(device)
     policy.train()
     step_metrics: list[dict[str, float]] = []
     step_tokens: list[TokenStats] = []
     entropy_sum, entropy_n = 0.0, 0
     for mb in perm.chunk(cfg.minibatches):
         rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
-        logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len)
+        logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len,
+                                   share_prompt=cfg.shared_prompt_forward)
         synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
         t0 = time.perf_counter()
         prox, prox_metrics = method(

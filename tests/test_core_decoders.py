@@ -11,39 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from a3po.decoders import DECODERS, HFDecoder, LlamaLikeDecoder, decoder_for
 from a3po.logprobs import token_logprobs
 from a3po.rollout import RolloutEngine, SamplingParams
+from tiny_models import EOS, PAD
+from tiny_models import llama as _llama
+from tiny_models import qwen2 as _qwen2
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
 TOL = 1e-4
-VOCAB, EOS, PAD = 40, 3, 0
-
-
-def _qwen2(**kw):
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=EOS,
-                      pad_token_id=PAD, **kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return Qwen2ForCausalLM(cfg).eval()
-
-
-def _llama(**kw):
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                      intermediate_size=48, max_position_embeddings=128, tie_word_embeddings=False, attention_bias=True,
-                      mlp_bias=True, eos_token_id=EOS, pad_token_id=PAD, **kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        model = LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():  # the default init leaves biases at 0: make them matter
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0.0, 0.1)
-        return model
 
 
 # Prompts of different lengths (left padding), two of them repeated (a GRPO group), out of order.

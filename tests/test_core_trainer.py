@@ -58,25 +58,45 @@ def _run_step(model, init, scored, cfg, version, proximal=None, sgd_lr=None):
     return metrics, calls, clone_state(model)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared_prompt"])
 @pytest.mark.parametrize("minibatches", [1, 2, 4])
-def test_loglinear_never_runs_the_model_for_prox_recompute_does_once(setup, minibatches):
+def test_loglinear_never_runs_the_model_for_prox_recompute_does_once(setup, minibatches, shared):
     model, scored, init = setup
     n = len(scored.rollout)
     assert 0 < int(scored.rollout.response_mask.sum())
+
+    def passes(rows: int) -> list[int]:
+        # Model calls of one forward pass over `rows` rows of whole groups: plain, one call; with
+        # the shared prompt, one call over the distinct prompts (one per group), one over the rows.
+        return [rows // GROUP, rows] if shared else [rows]
+
+    mb = n // minibatches
     for variant, proximal, expected in [
-        # (variant, proximal override, forward calls: one per minibatch + one full-batch no-grad pass if needed)
-        (Variant.LOGLINEAR, None, [n // minibatches] * minibatches),
-        (Variant.SYNC, None, [n // minibatches] * minibatches),
-        (Variant.RECOMPUTE, None, [n] + [n // minibatches] * minibatches),
-        (Variant.RECOMPUTE, "metrics", [n] + [n // minibatches] * minibatches),
+        # (variant, proximal override, forward passes: one per minibatch + one full-batch no-grad pass if needed)
+        (Variant.LOGLINEAR, None, passes(mb) * minibatches),
+        (Variant.SYNC, None, passes(mb) * minibatches),
+        (Variant.RECOMPUTE, None, passes(n) + passes(mb) * minibatches),
+        (Variant.RECOMPUTE, "metrics", passes(n) + passes(mb) * minibatches),
     ]:
-        cfg = _cfg(variant, minibatches=minibatches, proximal=proximal)
+        cfg = _cfg(variant, minibatches=minibatches, proximal=proximal, shared_prompt_forward=shared)
         metrics, calls, _ = _run_step(model, init, scored, cfg, version=2, proximal=proximal)
         assert calls == expected, (variant, proximal)
-        assert len(calls) == minibatches + PROXIMAL_METHODS.get(proximal_method_name(cfg)).needs_forward
+        assert len(calls) == len(passes(1)) * (minibatches + PROXIMAL_METHODS.get(proximal_method_name(cfg)).needs_forward)
         assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
     # staleness of the batch (all tokens version 0) at trainer version 2
     assert metrics["staleness/mean"] == metrics["staleness/max"] == 2.0
+
+
+def test_a_step_with_the_shared_prompt_forward_updates_the_weights_as_the_plain_one(setup):
+    # Plain SGD, so the update is the (clipped) gradient: the two forwards differ by float rounding only.
+    model, scored, init = setup
+    for variant in (Variant.LOGLINEAR, Variant.RECOMPUTE):
+        m_plain, _, plain = _run_step(model, init, scored, _cfg(variant, shared_prompt_forward=False), version=2, sgd_lr=0.5)
+        m_shared, _, shared = _run_step(model, init, scored, _cfg(variant), version=2, sgd_lr=0.5)
+        assert any(not torch.equal(plain[k], init[k]) for k in init)
+        for k in init:
+            torch.testing.assert_close(shared[k], plain[k], rtol=0, atol=1e-6, msg=k)
+        assert m_shared["loss/policy"] == pytest.approx(m_plain["loss/policy"], abs=1e-6)
 
 
 def test_on_policy_first_minibatch_loglinear_d0_equals_ppo_clip_with_real_model(setup):
