@@ -83,8 +83,9 @@ def _median_time(fn, inner: int = 1, device: torch.device = torch.device("cpu"))
     return (time.perf_counter() - t0) / inner
 
 
-def time_proximal(model, scored: ScoredBatch, version: int, temperature: float, repeats: int, inner: int) -> dict[str, float]:
+def time_proximal(model, scored: ScoredBatch, version: int, cfg: RLConfig, repeats: int, inner: int) -> dict[str, float]:
     """Median seconds of the loglinear and recompute proximal methods on the full batch."""
+    temperature = cfg.temperature
     b = scored.rollout
     resp = b.response_mask
     staleness = torch.where(resp, version - b.versions, torch.full_like(b.versions, -1))
@@ -95,7 +96,8 @@ def time_proximal(model, scored: ScoredBatch, version: int, temperature: float, 
 
     def recompute() -> torch.Tensor:
         with torch.no_grad():  # exactly what train_step does for methods that need a forward
-            return token_logprobs(model, b.input_ids, b.attention_mask, temperature)
+            return token_logprobs(model, b.input_ids, b.attention_mask, temperature, start=b.prompt_len,
+                                  share_prompt=cfg.shared_prompt_forward)
 
     def call(name: str) -> torch.Tensor:
         inp = ProxInputs(behav_logp=b.behav_logp, theta_logp=theta.detach(), staleness=staleness, mask=resp, recompute_logp=recompute)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     b = scored.rollout
     n_gen = int(b.response_mask.sum())
 
-    prox = time_proximal(model, scored, args.staleness, temperature, args.repeats, args.prox_inner)
+    prox = time_proximal(model, scored, args.staleness, RLConfig(**rl_kwargs), args.repeats, args.prox_inner)
     steps = time_steps(model, scored, args.staleness, rl_kwargs, args.repeats, args.warmup)
 
     prox_speedup = prox["recompute"] / prox["loglinear"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ if str(REPO_ROOT) not in sys.path:
 # No test may reach a dataset or model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Flow tests run Prefect in a home of their own, set before any test module imports Prefect.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))
 
 
 def shared_data_dir() -> Path:

@@ -11,11 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
-
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
 import pytest
 

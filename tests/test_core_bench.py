@@ -112,3 +112,20 @@ def test_peer_bench_says_how_to_install_trl_when_it_is_missing():
     else:
         msg = trl_missing()
         assert "TRL is not installed" in msg and "pip install -e '.[bench]'" in msg
+
+
+# --- bench.training_forward ------------------------------------------------------------------
+
+def test_training_forward_bench_runs_every_setting_on_the_micro_preset(tmp_path, capsys):
+    from bench import training_forward
+
+    out = training_forward.main(["--preset", "micro", "--cache", str(tmp_path), "--repeats", "1"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(out))
+    settings = last["settings"]
+    assert set(settings) == {"rows/plain", "rows/shared", "groups/plain", "groups/shared"}
+    for name, r in settings.items():
+        assert r["s_per_update"] > 0 and r["max_abs_logp_diff"] < 1e-4, name
+    # micro: minibatches of 4 rows = 2 whole groups of 2: each prompt runs once instead of twice.
+    assert settings["groups/shared"]["positions"] < settings["groups/plain"]["positions"] == settings["rows/plain"]["positions"]
+    assert settings["rows/plain"]["max_abs_logp_diff"] == 0.0  # the plain forward against itself

@@ -4,11 +4,6 @@ MLflow store (SQLite in tmp_path)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
-
 import pytest
 
 from tasks.claims import CLAIMS, NOT_MEASURABLE, NOT_REPRODUCED, REPRODUCED, Rule, check_claims, claims_markdown, spread

@@ -6,11 +6,7 @@ and, against a real MLflow server, in ``infra/ci_team_mode.sh``. Seconds."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from urllib.parse import parse_qs, unquote
-
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
 from tasks.links import TAG_COMPARE, TAG_PARENT, TAG_UI_COMMAND, run_links, tag_run_links
 from tasks.tracking import TrackingRef, client_for, create_run, ensure_experiment

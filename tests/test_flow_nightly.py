@@ -19,12 +19,8 @@ Slow test (``-m slow``): K = 3 seeds, both references, tolerance 0.1.
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
-
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
 
 import pytest
 

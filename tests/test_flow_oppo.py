@@ -13,20 +13,16 @@ run and a real MLflow store (SQLite in tmp_path), micro preset on the PPO path.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
-
-from a3po.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm  # noqa: E402
-from a3po.config import ConfigError, preset, with_overrides  # noqa: E402
-from a3po.metrics import valid_metric_key  # noqa: E402
+from a3po.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm
+from a3po.config import ConfigError, preset, with_overrides
+from a3po.metrics import valid_metric_key
 # Prefect sets up its console log handler on import: here, not under a test's captured stderr
 # (capsys closes that stream, and the flow test would log into it).
-from flows.compare_variants import compare_variants, parse_sets, variant_config  # noqa: E402
+from flows.compare_variants import compare_variants, parse_sets, variant_config
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
 

@@ -17,16 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import parse_qs
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
+from cli_runs import without_timing  # timing metrics: the only ones allowed to differ
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "eval" / "fixtures"
-TIMING = ("perf/", "time/", "prox/time_s")  # wall-clock metrics: the only ones allowed to differ
 
 
 def _search(uri: str, experiment: str):
@@ -144,11 +142,6 @@ def _task_states(flow_run_id: str, expect: int, timeout_s: float = 30) -> dict[s
     return states
 
 
-def _without_timing(history_path: Path) -> list[dict]:
-    rows = [json.loads(line) for line in history_path.read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
 def test_kill_9_resumes_from_checkpoint_and_matches_uninterrupted(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -185,7 +178,7 @@ def test_kill_9_resumes_from_checkpoint_and_matches_uninterrupted(prefect_server
     (r_run,), (f_run,) = resumed["runs"], fresh["runs"]
     assert r_run["resumed_from"] >= killed_at and f_run["resumed_from"] is None
     assert r_run["final_acc"] == f_run["final_acc"]
-    assert _without_timing(Path(r_run["history_path"])) == _without_timing(Path(f_run["history_path"]))
+    assert without_timing(Path(r_run["history_path"])) == without_timing(Path(f_run["history_path"]))
 
     # MLflow: the killed flow's runs are marked KILLED; the resumed child holds all steps
     # (restored ones back-filled) with the same rewards as the uninterrupted child.

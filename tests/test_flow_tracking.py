@@ -4,11 +4,6 @@ the benchmark skip and the ``--set`` parser. Seconds in total."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
-
 import pytest
 
 from flows.compare_variants import parse_sets

@@ -13,20 +13,16 @@ counter, a crash on request), through the Prefect task inside real flows.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
-
-from a3po.launch import LaunchMode, LaunchSpec, RankFailure, launch, launch_spec, launcher_commands, read_hostfile  # noqa: E402
-from cli_runs import descendants, flow_logs, without_timing  # noqa: E402
+from a3po.launch import LaunchMode, LaunchSpec, RankFailure, launch, launch_spec, launcher_commands, read_hostfile
+from cli_runs import descendants, flow_logs, without_timing
 
 PROBE = ["-m", "a3po.launch_probe"]
 
@@ -219,8 +215,8 @@ def test_launched_training_equals_in_process_training_and_records_topology(prefe
 @pytest.mark.slow
 def test_deepspeed_launcher_streams_per_rank_logs_and_stops_all_on_a_dead_rank():
     """The real DeepSpeed launcher (CPU accelerator, 2 local ranks): lines per rank from its
-    per-rank log files; a SIGKILLed rank: its code comes back through the launcher's exit
-    status (247 = -9), the others are stopped, nothing is left."""
+    per-rank log files; a SIGKILLed rank: the run fails naming it, the others are stopped,
+    nothing is left."""
     before = descendants()
     got: dict = {0: [], 1: [], None: []}
     spec = LaunchSpec(mode="deepspeed", num_gpus=2, grace_s=5)
@@ -231,7 +227,13 @@ def test_deepspeed_launcher_streams_per_rank_logs_and_stops_all_on_a_dead_rank()
     lines: list[str] = []
     with pytest.raises(RankFailure) as exc:
         launch(spec, [*PROBE, "--steps", "50", "--sleep", "0.2", "--crash-rank", "1", "--crash-at", "2"], on_line=lambda r, t: lines.append(t))
-    assert str(exc.value).startswith("the DeepSpeed launcher (a rank) failed with exit signal 9 (SIGKILL)"), str(exc.value)
+    # DeepSpeed's launcher polls its ranks once a second, in set order, and reports the first
+    # failed one it sees: the killed rank (SIGKILL), or the survivor whose all-reduce its death
+    # broke within that second (exit code 1). Either way the killed rank's last lines are named.
+    msg = str(exc.value)
+    assert msg.startswith(("the DeepSpeed launcher (a rank) failed with exit signal 9 (SIGKILL)",
+                           "the DeepSpeed launcher (a rank) failed with exit code 1")), msg
+    assert "[rank 1] probe rank 1 crashing at step 2 with KILL" in msg, msg
     pids = _probe_pids(lines)
     assert len(pids) == 2 and not any(_running(p) for p in pids)
     assert not (descendants() - before)

@@ -15,10 +15,8 @@ anything starts; the fan-out's record files refuse a stale record.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,11 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))  # before Prefect is imported
-
-from a3po.distributed import deepspeed_available  # noqa: E402
-from a3po.launch import LaunchSpec, launch_spec  # noqa: E402
-from cli_runs import descendants, flow_logs, without_timing  # noqa: E402
+from a3po.distributed import deepspeed_available
+from a3po.launch import LaunchSpec, launch_spec
+from cli_runs import descendants, flow_logs, without_timing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = "infra/deepspeed_zero2.json"
