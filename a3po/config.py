@@ -143,10 +143,10 @@ class RLConfig:
     lr_min_ratio: float = 0.1
     minibatches: int = 4
     """Optimizer steps per training batch; the trust region acts across them."""
-    minibatch_split: str = "groups"
-    """How the batch is cut into minibatches (``a3po.minibatches``): 'groups' (whole GRPO groups
-    per minibatch, as verl splits; their shared prompt runs once) or 'rows' (rows shuffled, as
-    TRL's GRPOTrainer does)."""
+    minibatch_split: str = "rows"
+    """How the batch is cut into minibatches (``a3po.minibatches``): 'rows' (rows shuffled, as
+    TRL's GRPOTrainer does) or 'groups' (whole GRPO groups per minibatch, as verl splits: cheaper
+    with ``shared_prompt_forward``, but on the tiny preset it learned less, docs/variants.md)."""
     shared_prompt_forward: bool = True
     """Training forwards (and recompute's proximal one) run each distinct prompt of a minibatch
     once and the responses on top of its KV cache (``a3po.logprobs.response_logits``): the same
@@ -731,7 +731,7 @@ RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "distr
 # Fields added with a default that computes differently from the code before them: a saved
 # config that lacks one was run the old way, so it counts as this value (resuming it under the
 # new default is then refused, naming the field, rather than silently changing the run).
-FIELDS_BEFORE_THEY_EXISTED = {"rl": {"minibatch_split": "rows", "shared_prompt_forward": False}}
+FIELDS_BEFORE_THEY_EXISTED = {"rl": {"shared_prompt_forward": False}}
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:

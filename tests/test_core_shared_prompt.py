@@ -160,12 +160,12 @@ def test_an_unknown_split_is_refused_naming_the_field():
         RLConfig(minibatch_split="prompts")
 
 
-def test_a_checkpoint_from_before_the_split_existed_resumes_only_the_old_way():
-    # Saved by the version before these fields: rows shuffled, plain forward. Resuming it under the
-    # new defaults would change the run; the resume check names the fields instead.
+def test_a_checkpoint_from_before_the_shared_forward_existed_resumes_only_the_old_way():
+    # Saved by the version before the field: plain forward. Resuming it under the new default
+    # would change the run's bits; the resume check names the field instead.
     current = config_to_dict(TrainConfig())
     saved = json.loads(json.dumps(current))
     del saved["rl"]["minibatch_split"], saved["rl"]["shared_prompt_forward"]
-    assert config_differences(saved, current) == ["rl.minibatch_split", "rl.shared_prompt_forward"]
-    old_way = config_to_dict(TrainConfig(rl=RLConfig(minibatch_split="rows", shared_prompt_forward=False)))
+    assert config_differences(saved, current) == ["rl.shared_prompt_forward"]
+    old_way = config_to_dict(TrainConfig(rl=RLConfig(shared_prompt_forward=False)))
     assert config_differences(saved, old_way) == []

@@ -66,8 +66,9 @@ def test_loglinear_never_runs_the_model_for_prox_recompute_does_once(setup, mini
     assert 0 < int(scored.rollout.response_mask.sum())
 
     def passes(rows: int) -> list[int]:
-        # Model calls of one forward pass over `rows` rows of whole groups: plain, one call; with
-        # the shared prompt, one call over the distinct prompts (one per group), one over the rows.
+        # Model calls of one forward pass over `rows` rows of whole groups (minibatch_split
+        # groups): plain, one call; with the shared prompt, one call over the distinct prompts
+        # (one per group), one over the rows.
         return [rows // GROUP, rows] if shared else [rows]
 
     mb = n // minibatches
@@ -78,7 +79,7 @@ def test_loglinear_never_runs_the_model_for_prox_recompute_does_once(setup, mini
         (Variant.RECOMPUTE, None, passes(n) + passes(mb) * minibatches),
         (Variant.RECOMPUTE, "metrics", passes(n) + passes(mb) * minibatches),
     ]:
-        cfg = _cfg(variant, minibatches=minibatches, proximal=proximal, shared_prompt_forward=shared)
+        cfg = _cfg(variant, minibatches=minibatches, proximal=proximal, shared_prompt_forward=shared, minibatch_split="groups")
         metrics, calls, _ = _run_step(model, init, scored, cfg, version=2, proximal=proximal)
         assert calls == expected, (variant, proximal)
         assert len(calls) == len(passes(1)) * (minibatches + PROXIMAL_METHODS.get(proximal_method_name(cfg)).needs_forward)
