@@ -3,12 +3,13 @@
 Each split returns an order of the batch's rows, drawn from the trainer's seeded generator; the
 trainer cuts it into ``rl.minibatches`` equal, consecutive chunks.
 
+* ``rows`` (default): rows in a random order (as TRL's GRPOTrainer shuffles): a minibatch
+  mixes samples of many prompts, a few of each.
 * ``groups``: whole GRPO groups in a random order, so a minibatch holds whole groups where its
   size is a multiple of the group size (as verl splits). The rows of a group share their prompt,
   which the training forward then runs once (``a3po.logprobs.response_logits``), and each
-  minibatch carries every sample of its prompts (a group's advantages sum to zero).
-* ``rows``: rows in a random order (as TRL's GRPOTrainer shuffles): a minibatch mixes samples
-  of many prompts, a few of each.
+  minibatch carries every sample of its prompts. On the tiny preset it learned less than
+  ``rows`` in the same steps (docs/variants.md).
 """
 
 from __future__ import annotations
