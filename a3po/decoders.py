@@ -20,15 +20,15 @@ they were when it was built: after a weight swap the engine builds a new one and
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, Qwen2ForCausalLM
+from transformers import DynamicCache
 
 from a3po.devices import autocast_for
+from a3po.logprobs import cache_kwarg, forward_parameters
 from a3po.registry import Registry
 
 
@@ -62,15 +62,6 @@ def decoder_for(model: torch.nn.Module, name: str = "auto") -> DecoderFactory:
 # --- generic: the model's own forward ------------------------------------------------------------
 
 
-def _cache_kwarg() -> str:
-    # transformers 5 renamed ``past_key_values`` to ``cache``; the same DynamicCache object is
-    # updated in place either way.
-    return "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
-
-
-_CACHE_KW = _cache_kwarg()
-
-
 class HFDecoder:
     """``model(...)`` with a DynamicCache; the attention mask lives in one tensor allocated at
     full width (a view of its filled columns is passed), and only the last position's logits are
@@ -80,12 +71,13 @@ class HFDecoder:
         self.model, self.cache, self.width = model, DynamicCache(), 0
         self.mask: torch.Tensor | None = None
         self.max_width = max_width
-        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
+        self.cache_kw = cache_kwarg(model) or "past_key_values"
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with autocast_for(self.model):
             out = self.model(input_ids=ids, attention_mask=self.mask[:, : self.width], position_ids=positions,
-                             use_cache=True, **{_CACHE_KW: self.cache}, **self.keep)
+                             use_cache=True, **{self.cache_kw: self.cache}, **self.keep)
         return out.logits[:, -1]
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

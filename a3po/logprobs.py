@@ -90,9 +90,8 @@ def response_logits(
     """
     length, n = input_ids.shape[1], input_ids.shape[0]
     positions = position_ids_from_mask(attention_mask)
-    forward = _forward_parameters(type(getattr(model, "module", model)))  # a DeepSpeed engine wraps the model
-    keep = (lambda k: {"logits_to_keep": k}) if "logits_to_keep" in forward else (lambda k: {})
-    cache_kw = next((kw for kw in ("cache", "past_key_values") if kw in forward), None)  # transformers 5 renamed it
+    keep = (lambda k: {"logits_to_keep": k}) if "logits_to_keep" in forward_parameters(model) else (lambda k: {})
+    cache_kw = cache_kwarg(model)
     if share_prompt and cache_kw is not None and 1 < start < length and not _cache_dropped(model):
         prefix = torch.cat([input_ids[:, :start], attention_mask[:, :start].to(input_ids.dtype)], dim=1)
         distinct, inverse = torch.unique(prefix, dim=0, return_inverse=True)
@@ -111,7 +110,19 @@ def response_logits(
     return out.logits[:, -(length - start + 1):-1]
 
 
-@functools.cache  # per model class: this runs for every training minibatch
+def forward_parameters(model: torch.nn.Module) -> frozenset[str]:
+    """The keyword names ``model``'s forward takes (a DeepSpeed engine's: its module's)."""
+    return _forward_parameters(type(getattr(model, "module", model)))
+
+
+def cache_kwarg(model: torch.nn.Module) -> str | None:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` (transformers 5 renamed
+    it; the same DynamicCache is updated in place either way), ``past_key_values`` before, None
+    when it takes neither."""
+    return next((kw for kw in ("cache", "past_key_values") if kw in forward_parameters(model)), None)
+
+
+@functools.cache  # per model class: this runs for every training minibatch and every decoder
 def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 

@@ -24,7 +24,6 @@ Any causal-LM-shaped model works: the scorer runs the model's base transformer
 
 from __future__ import annotations
 
-import inspect
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from a3po.devices import autocast_for
-from a3po.logprobs import position_ids_from_mask, sampling_log_softmax
+from a3po.logprobs import cache_kwarg, position_ids_from_mask, sampling_log_softmax
 
 
 class Head(Protocol):
@@ -100,11 +99,6 @@ class RewardHead:
         return per_position.gather(1, last[:, None]).squeeze(1)
 
 
-def _cache_kwarg(base: torch.nn.Module) -> str:
-    # transformers 5 renamed ``past_key_values`` to ``cache`` (as in a3po.rollout).
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
 class IncrementalScorer:
     """Scores one left-padded batch: :meth:`prefill` the prompt, :meth:`extend` with each chunk
     of generated tokens, :meth:`result` for the whole sequence. Single-threaded; see
@@ -113,7 +107,7 @@ class IncrementalScorer:
     def __init__(self, model: torch.nn.Module, head: Head) -> None:
         self.model, self.head = model, head
         self.base = model.base_model
-        self._kw = _cache_kwarg(self.base)
+        self._kw = cache_kwarg(self.base) or "past_key_values"
         self._reset()
 
     def _reset(self) -> None:
