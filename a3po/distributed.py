@@ -405,8 +405,10 @@ def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor], into: t
 
 
 def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:
-    """The trainer's AdamW (weight decay 0; the rate is set per step) behind the right updater."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
+    """The trainer's AdamW (:func:`a3po.optimizers.adamw`; the rate is set per step) behind the right updater."""
+    from a3po.optimizers import adamw
+
+    optimizer = adamw(policy.parameters(), rl.lr)
     if deepspeed_config is None:
         return LocalUpdater(policy, optimizer, rl.grad_clip)
     ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)

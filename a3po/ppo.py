@@ -23,6 +23,7 @@ from a3po.checks import require_finite, require_same_shape
 from a3po.config import PPOConfig
 from a3po.devices import autocast_for
 from a3po.logprobs import position_ids_from_mask, token_logprobs
+from a3po.optimizers import adamw
 from a3po.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")  # (logp, ref_logp) -> per-token estimate
@@ -308,7 +309,7 @@ def build_ppo_parts(cfg: PPOConfig, policy: torch.nn.Module, temperature: float)
         parts.reference = frozen_copy(policy)
     if cfg.critic == "policy_copy":
         parts.critic = build_critic(policy, cfg.critic_init_path)
-        parts.critic_optimizer = torch.optim.AdamW(parts.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        parts.critic_optimizer = adamw(parts.critic.parameters(), cfg.critic_lr)
     if cfg.reward == "model":
         parts.reward_model = load_reward_model(cfg.reward_model_path, param.device, param.dtype)
     return parts

@@ -82,6 +82,7 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     from a3po.config import RLConfig
     from a3po.controller import ScoredBatch, clone_state
     from a3po.models import build_tiny_model
+    from a3po.optimizers import adamw
     from a3po.proximal import PROXIMAL_METHODS
     from a3po.rollout import RolloutEngine, SamplingParams
     from a3po.trainer import train_step
@@ -97,7 +98,7 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
 
     def update(n: int):
         model.load_state_dict(start)
-        opt = torch.optim.AdamW(model.parameters(), lr=rl.lr, weight_decay=0.0)
+        opt = adamw(model.parameters(), rl.lr)  # the trainer's (fused on the CPU)
         with intra_op_threads(n):
             m = train_step(model, opt, ScoredBatch(0, batch, rewards, [], 0.0), 0, rl, PROXIMAL_METHODS.get("behaviour"))
         return clone_state(model), {k: v for k, v in m.items() if not k.startswith(("perf/", "prox/time"))}
