@@ -12,11 +12,16 @@ generated, scored and trained on. Project: the time between two consecutive trai
 ends, i.e. what a step costs once the loop runs (the first and the last step, with start-up and
 the final evaluation, are left out). TRL: the time between two consecutive ends of every 4th
 optimizer step (one generation each, ``steps_per_generation = 4``), the first cycle left out.
-Medians over ``--cycles`` cycles; beside the wall time, the process's CPU time per cycle (all
-its threads: on a shared machine the work done, less sensitive to other processes than wall
-time; on one core it is what the wall time would be on a quiet one). Rollout tokens/s: generated tokens (EOS included) over the time
-of the generation call (the project's engine, without scoring; TRL's ``_generate_single_turn``,
-i.e. ``transformers.generate``), median over batches.
+With ``--rollout-workers N`` (default 1) each asynchronous variant also runs with its rollouts
+in N processes of their own (``distributed.rollout_workers``, torchrun; row ``<variant>+Nw``):
+the same batches and updates bit for bit (docs/distributed.md), without the in-process producer
+thread's share of the trainer's interpreter lock. Medians over ``--cycles`` cycles; beside the
+wall time, the process's CPU time per cycle (all its threads: on a shared machine the work done,
+less sensitive to other processes than wall time; on one core it is what the wall time would be
+on a quiet one; not for the ``+Nw`` rows, whose work is spread over processes). Rollout
+tokens/s: generated tokens (EOS included) over the time of the generation call (the project's
+engine, without scoring; TRL's ``_generate_single_turn``, i.e. ``transformers.generate``), median
+over batches.
 
 TRL's settings: ``per_device_train_batch_size 32``, ``steps_per_generation 4`` (a generation batch
 of 128 = 16 prompts x ``num_generations 8``), ``num_iterations 1``, ``beta 0``, ``loss_type bnpo``
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -50,14 +56,15 @@ INSTALL_TRL = ("python3 -m venv /work/trl-venv && /work/trl-venv/bin/pip install
                "/work/trl-venv/bin/pip install -e '.[bench]'   (then run this bench with /work/trl-venv/bin/python)")
 
 
-def work_config(cycles: int, torch_threads: int | None, update_threads: int | None = None) -> TrainConfig:
-    """The tiny preset as the comparison runs it: constant lr 1e-4 as TRL's, no evaluation or
-    checkpoint inside the timed steps (one of each at the last, untimed step)."""
+def work_config(cycles: int, torch_threads: int | None, update_threads: int | None = None, preset_name: str = "tiny") -> TrainConfig:
+    """The tiny preset (the issue's work; another for a quick check) as the comparison runs it:
+    constant lr 1e-4 as TRL's, no evaluation or checkpoint inside the timed steps (one of each at
+    the last, untimed step)."""
     steps = cycles + 2  # the first step (producer start-up) and the last (final evaluation) are not timed
     rl = {"steps": steps, "lr": 1e-4, "lr_schedule": "constant", "lr_warmup_steps": 0, "minibatches": UPDATES_PER_BATCH,
           "eval_every": steps, "checkpoint_every": steps}
     extra = {k: v for k, v in (("torch_threads", torch_threads), ("update_threads", update_threads)) if v is not None}
-    return with_overrides(preset("tiny"), rl=rl, **extra)
+    return with_overrides(preset(preset_name), rl=rl, **extra)
 
 
 def median(xs: list[float]) -> float:
@@ -84,6 +91,38 @@ def project_side(cfg: TrainConfig, variant: str, ws_dir: Path, ws_acc: float, ou
     cpu = [b - a for a, b in zip(cpu_ends[:-2], cpu_ends[1:-1])]
     return {"cycle_s": median(cycles), "cycle_cpu_s": median(cpu), "cycles": len(cycles), "rollout_tok_s": median(tok_s[1:-1]),
             "reward_curve": [round(r, 4) for r in rewards[1:-1]], "reward_mean": statistics.fmean(rewards[1:-1])}
+
+
+def launched_side(args: argparse.Namespace, variant: str, workers: int, ws_dir: Path, ws_acc: float, out: Path) -> dict:
+    """:func:`project_side` with generation and scoring in ``workers`` processes of their own
+    (``distributed.rollout_workers``; bit for bit the in-process run under the deterministic
+    schedule, docs/distributed.md): torchrun starts the trainer rank and the workers, each runs
+    this module with ``--rank-of``, and the trainer rank writes its figures. The CPU time of a
+    cycle is then spread over processes and is not reported."""
+    from a3po.launch import LaunchSpec, launch
+
+    own = out / f"workers-{workers}"  # a run folder of its own (the in-process run's would be resumed, finished)
+    own.mkdir(parents=True, exist_ok=True)
+    result = own / f"{variant}.json"
+    argv = ["-m", "bench.peer_trl", "--rank-of", variant, "--rollout-workers", str(workers), "--cycles", str(args.cycles), "--preset", args.preset,
+            "--warm-start", str(ws_dir), "--warm-start-acc", repr(ws_acc), "--result", str(result)]
+    for flag, val in (("--torch-threads", args.torch_threads), ("--update-threads", args.update_threads)):
+        if val is not None:
+            argv += [flag, str(val)]
+    launch(LaunchSpec(mode="torchrun", nproc_per_node=1 + workers), argv, cwd=own)
+    return {**json.loads(result.read_text()), "cycle_cpu_s": None, "rollout_workers": workers}
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """One rank of :func:`launched_side`: the trainer rank (0) writes ``--result``."""
+    cfg = with_overrides(work_config(args.cycles, args.torch_threads, args.update_threads, args.preset),
+                         distributed={"rollout_workers": args.rollout_workers})
+    ws_dir, ws_acc, out = Path(args.warm_start), float(args.warm_start_acc), Path(args.result).parent
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.result).write_text(json.dumps(project_side(cfg, args.rank_of, ws_dir, ws_acc, out)))
+    else:  # a rollout worker: it generates and scores, the trainer rank times the cycles
+        train_variant(with_overrides(cfg, rl={"variant": args.rank_of}), out / args.rank_of, ws_dir, ws_acc)
+    return 0
 
 
 def trl_missing() -> str | None:
@@ -163,22 +202,35 @@ def table(rows: dict[str, dict], trl: dict | None) -> str:
     for name, r in ([("TRL GRPO", trl)] if trl else []) + list(rows.items()):
         vs = f"{r['vs_trl']:.2f}x" if "vs_trl" in r else "-"
         vs_tok = f"{r['rollout_vs_trl']:.2f}x" if "rollout_vs_trl" in r else "-"
-        lines.append(f"{name:<12} {r['cycle_s']:>8.3f} {vs:>7} {r['cycle_cpu_s']:>12.3f} {r['rollout_tok_s']:>14.0f} {vs_tok:>7} {r['reward_mean']:>7.3f}")
+        cpu = "-" if r["cycle_cpu_s"] is None else f"{r['cycle_cpu_s']:.3f}"
+        lines.append(f"{name:<12} {r['cycle_s']:>8.3f} {vs:>7} {cpu:>12} {r['rollout_tok_s']:>14.0f} {vs_tok:>7} {r['reward_mean']:>7.3f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=20, help="timed cycles per side (median over them)")
+    ap.add_argument("--preset", default="tiny", help="config preset of the work (default tiny, the comparison's; micro for a quick check)")
     ap.add_argument("--variants", default="sync,loglinear", help="project variants, comma-separated")
     ap.add_argument("--cache", default=None, help="warm-start cache folder (default: a temporary one, so a warm start is trained)")
     ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's)")
     ap.add_argument("--update-threads", type=int, default=None, help="config update_threads (default: the config's, 0 = every core)")
     ap.add_argument("--no-trl", action="store_true", help="the project's side only")
+    ap.add_argument("--rollout-workers", type=int, default=1,
+                    help="also run each asynchronous variant with its rollouts in this many processes of their own "
+                         "(distributed.rollout_workers, under torchrun; row '<variant>+<N>w'); 0: in-process rows only (default 1)")
+    ap.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # a rank of launched_side
+    ap.add_argument("--warm-start", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-start-acc", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.cycles < 1:
         ap.error("--cycles must be >= 1")
-    cfg = work_config(args.cycles, args.torch_threads, args.update_threads)
+    if args.rollout_workers < 0:
+        ap.error("--rollout-workers must be >= 0")
+    if args.rank_of:
+        return rank_main(args)
+    cfg = work_config(args.cycles, args.torch_threads, args.update_threads, args.preset)
     out = Path(tempfile.mkdtemp(prefix="a3po-peer-trl-"))
     ws_dir, ws_acc = prepare_warmstart(cfg, Path(args.cache) if args.cache else out / "cache", log=lambda s: print(s, file=sys.stderr))
     missing = None if args.no_trl else trl_missing()
@@ -187,10 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     trl = None if (args.no_trl or missing) else trl_side(cfg, args.cycles, ws_dir, out)
     rows = {}
     for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        rows[v] = project_side(cfg, v, ws_dir, ws_acc, out)
-        if trl:
-            rows[v]["vs_trl"] = trl["cycle_s"] / rows[v]["cycle_s"]
-            rows[v]["rollout_vs_trl"] = rows[v]["rollout_tok_s"] / trl["rollout_tok_s"]
+        rows[v] = {**project_side(cfg, v, ws_dir, ws_acc, out), "rollout_workers": 0}
+        # A synchronous run's producer idles while the trainer trains: a worker process would only
+        # take the second core from the update (a3po.threads).
+        if args.rollout_workers and with_overrides(cfg, rl={"variant": v}).rl.variant.is_async:
+            rows[f"{v}+{args.rollout_workers}w"] = launched_side(args, v, args.rollout_workers, ws_dir, ws_acc, out)
+    for r in rows.values() if trl else ():
+        r["vs_trl"] = trl["cycle_s"] / r["cycle_s"]
+        r["rollout_vs_trl"] = r["rollout_tok_s"] / trl["rollout_tok_s"]
     print(f"peer_trl: {args.cycles} cycles per side, medians; {usable_cores()} cores; warm start {ws_dir}")
     print(table(rows, trl))
     summary = {"bench": "peer_trl", "cycles": args.cycles, "cores": usable_cores(), "trl": trl,

@@ -129,3 +129,20 @@ def test_training_forward_bench_runs_every_setting_on_the_micro_preset(tmp_path,
     # micro: minibatches of 4 rows = 2 whole groups of 2: each prompt runs once instead of twice.
     assert settings["groups/shared"]["positions"] < settings["groups/plain"]["positions"] == settings["rows/plain"]["positions"]
     assert settings["rows/plain"]["max_abs_logp_diff"] == 0.0  # the plain forward against itself
+
+
+@pytest.mark.slow  # ~25 s: two torchrun processes besides the in-process runs
+def test_peer_bench_runs_the_asynchronous_variants_also_with_a_rollout_worker_process(tmp_path, capsys):
+    # micro preset, one timed cycle, TRL left out: the rows, and the worker run's batches and
+    # rewards equal to the in-process run's (the deterministic schedule), through torchrun.
+    from bench import peer_trl
+
+    assert peer_trl.main(["--preset", "micro", "--cycles", "1", "--no-trl", "--variants", "sync,loglinear",
+                          "--rollout-workers", "1", "--cache", str(tmp_path)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = last["variants"]
+    assert set(rows) == {"sync", "loglinear", "loglinear+1w"}  # sync alternates: no worker row
+    inproc, worker = rows["loglinear"], rows["loglinear+1w"]
+    assert (inproc["rollout_workers"], worker["rollout_workers"]) == (0, 1)
+    assert worker["reward_curve"] == inproc["reward_curve"] and len(worker["reward_curve"]) == 1
+    assert worker["cycle_s"] > 0 and worker["cycle_cpu_s"] is None and inproc["cycle_cpu_s"] > 0
