@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from a3po.optimizers import adamw, fused_supported
@@ -52,38 +53,26 @@ def test_not_fused_where_torch_has_no_kernel():
     assert fused_supported([torch.zeros(2)])  # a float CPU tensor does
 
 
-def test_a_checkpoint_resumes_on_the_implementation_it_was_written_with():
-    # Written by the earlier, unfused AdamW: loading it keeps that implementation, so the resumed
-    # run takes bit for bit the steps the uninterrupted one takes.
-    old_params, resumed_params = _params(), _params()
-    old = torch.optim.AdamW(old_params, lr=1e-2, weight_decay=0.0)
-    _grads(old_params, 0)
-    old.step()
+@pytest.mark.parametrize("written_by, resumes_fused", [
+    (lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0), False),  # the earlier, unfused AdamW
+    (lambda params: adamw(params, 1e-2), True),
+], ids=["unfused", "fused"])
+def test_a_checkpoint_resumes_on_the_kernel_it_was_written_with(written_by, resumes_fused):
+    # The trainer's adamw loading a state keeps the kernel that state was written with, so the
+    # resumed run takes bit for bit the steps the uninterrupted one takes.
+    running_params, resumed_params = _params(), _params()
+    running = written_by(running_params)
+    _grads(running_params, 0)
+    running.step()
     with torch.no_grad():
-        for r, o in zip(resumed_params, old_params):
+        for r, o in zip(resumed_params, running_params):
             r.copy_(o)
     resumed = adamw(resumed_params, 1e-2)
-    resumed.load_state_dict(_saved(old))
-    assert not resumed.param_groups[0]["fused"]
+    resumed.load_state_dict(_saved(running))
+    assert bool(resumed.param_groups[0]["fused"]) is resumes_fused
     for k in (1, 2):
-        _grads(old_params, k)
+        _grads(running_params, k)
         _grads(resumed_params, k)
-        old.step()
+        running.step()
         resumed.step()
-    assert all(torch.equal(a, b) for a, b in zip(old_params, resumed_params))
-    # Written by the fused one: it resumes fused, and on the same bits as the uninterrupted run.
-    first, second = _params(), _params()
-    running = adamw(first, 1e-2)
-    _grads(first, 0)
-    running.step()
-    with torch.no_grad():
-        for s, f in zip(second, first):
-            s.copy_(f)
-    restarted = adamw(second, 1e-2)
-    restarted.load_state_dict(_saved(running))
-    assert restarted.param_groups[0]["fused"] is True
-    _grads(first, 1)
-    _grads(second, 1)
-    running.step()
-    restarted.step()
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(running_params, resumed_params))
