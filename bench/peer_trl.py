@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from a3po.config import TrainConfig, preset, with_overrides
+from a3po.config import TrainConfig, Variant, preset, with_overrides
 from a3po.data import load_rows, prompt_style
 from a3po.models import load_pretrained
 from a3po.pipeline import prepare_warmstart, train_variant
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[v] = {**project_side(cfg, v, ws_dir, ws_acc, out), "rollout_workers": 0}
         # A synchronous run's producer idles while the trainer trains: a worker process would only
         # take the second core from the update (a3po.threads).
-        if args.rollout_workers and with_overrides(cfg, rl={"variant": v}).rl.variant.is_async:
+        if args.rollout_workers and Variant(v).is_async:
             rows[f"{v}+{args.rollout_workers}w"] = launched_side(args, v, args.rollout_workers, ws_dir, ws_acc, out)
     for r in rows.values() if trl else ():
         r["vs_trl"] = trl["cycle_s"] / r["cycle_s"]
