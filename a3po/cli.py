@@ -59,8 +59,8 @@ def _train(argv: list[str]) -> int:
     out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
     run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
 
-    from a3po.distributed import ranks_from_env
-    from a3po.runlock import hold_run_folder
+    from a3po.parallel.ranks import ranks_from_env
+    from a3po.storage.runlock import hold_run_folder
 
     # One writer per run folder, taken before anything is written and released at any exit;
     # under a launcher, rank 0 holds it for all the ranks.
@@ -72,13 +72,12 @@ def _train(argv: list[str]) -> int:
 
 def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> int:
     from tqdm import tqdm
-
     from transformers.utils import logging as hf_logging
 
-    from a3po.data import BadRowError
-    from a3po.distributed import init_ranks, read_deepspeed_json, zero_stage
-    from a3po.metrics import JsonlLogger, NullLogger
-    from a3po.pipeline import prepare_warmstart, train_variant
+    from a3po.data.datasets import BadRowError
+    from a3po.parallel.ranks import init_ranks, read_deepspeed_json, zero_stage
+    from a3po.training.metrics import JsonlLogger, NullLogger
+    from a3po.training.run import prepare_warmstart, train_variant
 
     hf_logging.disable_progress_bar()
     # Under torchrun every rank runs this command; rank 0 alone warm-starts, writes and prints.
@@ -106,7 +105,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
             post["acc"] = f"{m['eval/heldout_acc']:.3f}"
         bar.set_postfix(post, refresh=True)
 
-    from a3po.checkpoint import CheckpointError
+    from a3po.storage.checkpoint import CheckpointError
 
     logger = JsonlLogger(run_dir / "metrics.jsonl") if ranks.is_main else NullLogger()
     try:
@@ -162,7 +161,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from a3po.team_servers import main as serve_main
+    from infra.team_servers import main as serve_main
 
     return serve_main(argv)
 
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         got = f"unknown command {argv[0]!r}" if argv else "a command is required"
         print(f"{usage()}\n\na3po: error: {got}", file=sys.stderr)
         return 2
-    from a3po.runlock import RunFolderBusy
+    from a3po.storage.runlock import RunFolderBusy
 
     try:
         return COMMANDS[argv[0]].run(argv[1:])

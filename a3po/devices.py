@@ -59,7 +59,7 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
 def autocast_for(model: torch.nn.Module):
     """bf16 autocast for a bf16 model on CUDA (matmuls in bf16; the ops autocast keeps in fp32,
     e.g. softmax and norms, in fp32); nothing otherwise. Log-probs are taken in fp32 whatever
-    the weights (``a3po.logprobs`` casts logits with ``.float()`` first)."""
+    the weights (``a3po.models.logprobs`` casts logits with ``.float()`` first)."""
     p = next(model.parameters())
     if p.device.type == "cuda" and p.dtype == torch.bfloat16:
         return torch.autocast("cuda", dtype=torch.bfloat16)

@@ -4,8 +4,8 @@ The model has the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV head
 intermediate 4864, vocab 151936, tied embeddings; ~494M parameters), built from a config with
 random weights: no download, no tokenizer, prompts are random token ids. Each variant (sync,
 recompute, loglinear) runs ``--steps`` RL steps through the library's own rollout engine
-(``a3po.rollout.RolloutEngine``, sampling from a lagging copy of the weights, so async batches
-are ``--staleness`` versions old) and ``a3po.trainer.train_step``. Rewards are seeded uniform
+(``a3po.rollout.torch_engine.RolloutEngine``, sampling from a lagging copy of the weights, so async batches
+are ``--staleness`` versions old) and ``a3po.training.loop.train_step``. Rewards are seeded uniform
 numbers (a random model solves nothing; timings do not depend on what is rewarded).
 
     python -m bench.gpu_smoke                    # real size; cuda + bfloat16 when available
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import RLConfig, Variant, effective_max_staleness, proximal_method_name
-from a3po.controller import batch_seed, clone_state
-from a3po.devices import DType, Device, model_device, resolve_device, sampling_generator, synchronize
-from a3po.models import count_parameters
-from a3po.proximal import PROXIMAL_METHODS
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.trainer import train_step
+from a3po.devices import Device, DType, model_device, resolve_device, sampling_generator, synchronize
+from a3po.models.factory import count_parameters
+from a3po.producer.producer import batch_seed, clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.loop import train_step
 from bench.prox_logp import with_seeded_rewards
 
 

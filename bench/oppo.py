@@ -50,11 +50,11 @@ import sys
 
 import torch
 
-from a3po.arithmetic import WORDS
 from a3po.config import PRESETS, ConfigError, preset, with_overrides
-from a3po.data import load_rows
-from a3po.models import build_tiny_model, load_pretrained
-from a3po.trainer import rl_train
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import load_rows
+from a3po.models.factory import build_tiny_model, load_pretrained
+from a3po.training.loop import rl_train
 from bench.peer_trl_ppo import INSTALL_TRL_PPO, run_trl_ppo, trl_ppo_missing
 
 SETTINGS = {
@@ -108,11 +108,11 @@ def setting_config(args: argparse.Namespace, oppo: dict):
 
 def setting_model(args: argparse.Namespace, cfg):
     """The starting policy, tokenizer, training and held-out rows of a setting."""
-    # As a3po.pipeline does: every thread on cfg.torch_threads (without a warm start nothing else sets
+    # As a3po.training.run does: every thread on cfg.torch_threads (without a warm start nothing else sets
     # it, and two OpenMP threads per Python thread on 2 busy cores cost many times a step).
     torch.set_num_threads(cfg.torch_threads)
     if args.warmstart_cache:
-        from a3po.pipeline import prepare_warmstart
+        from a3po.training.run import prepare_warmstart
 
         ws_cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail})
         ws_dir, _ = prepare_warmstart(ws_cfg, args.warmstart_cache, log=lambda s: None)

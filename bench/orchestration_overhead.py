@@ -58,11 +58,11 @@ def cpu_s(pid: int | None = None) -> float:
 def run_direct(cfg, variants: list[str], seed: int, root: Path) -> dict:
     """The comparison with library calls only (what the flow wraps)."""
     from a3po.config import with_overrides
-    from a3po.data import load_rows
-    from a3po.evaluate import evaluate_heldout
-    from a3po.metrics import JsonlLogger
-    from a3po.models import load_pretrained
-    from a3po.pipeline import prepare_warmstart, train_variant
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.training.heldout import evaluate_heldout
+    from a3po.training.metrics import JsonlLogger
+    from a3po.training.run import prepare_warmstart, train_variant
 
     t0 = time.perf_counter()
     ws_dir, ws_acc = prepare_warmstart(cfg, root / "cache", log=lambda s: None)

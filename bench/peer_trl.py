@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 
 from a3po.config import TrainConfig, Variant, preset, with_overrides
-from a3po.data import load_rows, prompt_style
-from a3po.models import load_pretrained
-from a3po.pipeline import prepare_warmstart, train_variant
-from a3po.rewards import score_completions
-from a3po.threads import usable_cores
+from a3po.data.datasets import load_rows, prompt_style
+from a3po.grading.rewards import score_completions
+from a3po.models.factory import load_pretrained
+from a3po.training.run import prepare_warmstart, train_variant
+from a3po.training.threads import usable_cores
 
 UPDATES_PER_BATCH = 4
 INSTALL_TRL = ("python3 -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 && "
@@ -99,7 +99,7 @@ def launched_side(args: argparse.Namespace, variant: str, workers: int, ws_dir: 
     schedule, docs/distributed.md): torchrun starts the trainer rank and the workers, each runs
     this module with ``--rank-of``, and the trainer rank writes its figures. The CPU time of a
     cycle is then spread over processes and is not reported."""
-    from a3po.launch import LaunchSpec, launch
+    from infra.launch import LaunchSpec, launch
 
     own = out / f"workers-{workers}"  # a run folder of its own (the in-process run's would be resumed, finished)
     own.mkdir(parents=True, exist_ok=True)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
         rows[v] = {**project_side(cfg, v, ws_dir, ws_acc, out), "rollout_workers": 0}
         # A synchronous run's producer idles while the trainer trains: a worker process would only
-        # take the second core from the update (a3po.threads).
+        # take the second core from the update (a3po.training.threads).
         if args.rollout_workers and Variant(v).is_async:
             rows[f"{v}+{args.rollout_workers}w"] = launched_side(args, v, args.rollout_workers, ws_dir, ws_acc, out)
     for r in rows.values() if trl else ():

@@ -13,9 +13,9 @@ bench/peer_trl.py uses, has none), so it lives in a venv of its own (the ``bench
 
 The work is bench.oppo's PPO path with OPPO off (the ``tiny-ppo`` settings on the long-tailed
 workload): the same policy (the warm start, or the tiny init without ``--warmstart-cache``), the
-same critic (``a3po.ppo.build_critic``: the policy's backbone with a fresh one-label
+same critic (``a3po.training.ppo_parts.build_critic``: the policy's backbone with a fresh one-label
 token-classification head; TRL reads it through ``base_model_prefix`` and ``score``), the same
-frozen reference (``a3po.ppo.frozen_copy``), the same prompts in the same order (the project's
+frozen reference (``a3po.training.ppo_parts.frozen_copy``), the same prompts in the same order (the project's
 ``PromptSampler``: batch ``j`` is ``batch_prompts`` prompts x ``group_size`` samples, fed to TRL
 unshuffled, one response per row) and the same reward. TRL's PPO only takes a reward *model*
 (``get_reward`` runs ``getattr(rm, rm.base_model_prefix)`` and ``rm.score(hidden[-1])``, read at
@@ -40,7 +40,7 @@ Settings, TRL 1.12 ``PPOConfig`` <- the project's config:
     kl_coef, kl_estimator         <- ppo.kl_coef, ppo.kl_estimator (per-token penalty in the rewards)
     whiten_rewards, missing_eos_penalty <- False, None (the project does neither)
     optimizer                     <- AdamW, weight decay 0, two groups: the policy at rl.lr on the
-                                     project's schedule (a3po.trainer.learning_rate: warm-up, cosine),
+                                     project's schedule (a3po.training.loop.learning_rate: warm-up, cosine),
                                      the critic at ppo.critic_lr, constant (the project's own critic optimizer)
     seed, fp32, CPU, no gradient checkpointing, no logging/saving.
     threads                       <- --trl-threads (0: every usable core, as bench/peer_trl.py gives TRL's
@@ -70,7 +70,6 @@ Prints a table, then as the very last line one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -84,12 +83,12 @@ from types import SimpleNamespace
 import torch
 
 from a3po.config import TrainConfig
-from a3po.controller import PromptSampler
-from a3po.data import prompt_style
-from a3po.ppo import build_critic, frozen_copy, load_reward_model
-from a3po.rewards import score_completions
-from a3po.threads import usable_cores
-from a3po.trainer import learning_rate
+from a3po.data.datasets import prompt_style
+from a3po.grading.rewards import score_completions
+from a3po.producer.producer import PromptSampler
+from a3po.training.loop import learning_rate
+from a3po.training.ppo_parts import build_critic, frozen_copy, load_reward_model
+from a3po.training.threads import usable_cores
 
 INSTALL_TRL_PPO = ("python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 && "
                    "/work/trl112-venv/bin/pip install -e '.[bench-ppo]'   (then run the bench with /work/trl112-venv/bin/python)")
@@ -151,7 +150,7 @@ class GraderReward(torch.nn.Module):
 
 class SigmoidReward(torch.nn.Module):
     """A one-label sequence-classification reward model as the project scores with it
-    (``sigmoid(logit)``, ``a3po.ppo.reward_model_scores``), behind TRL's interface."""
+    (``sigmoid(logit)``, ``a3po.training.ppo_parts.reward_model_scores``), behind TRL's interface."""
 
     def __init__(self, rm: torch.nn.Module) -> None:
         super().__init__()
@@ -187,13 +186,12 @@ def run_trl_ppo(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows
                 out_dir: str | Path | None = None, threads: int | None = None) -> dict:
     """``steps`` PPO steps of TRL's PPOTrainer on ``cfg``'s work from a copy of ``policy`` (left
     as it is); returns the figures of the module docstring. Needs TRL 1.12 (:func:`trl_ppo_missing`)."""
+    import trl
+    import trl.experimental.ppo.ppo_trainer as ppo_mod
+    from datasets import Dataset
     from torch.utils.data import DataLoader
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
-    from datasets import Dataset
-
-    import trl
-    import trl.experimental.ppo.ppo_trainer as ppo_mod
     from trl.experimental.ppo import PPOTrainer
 
     if steps < 2:

@@ -22,14 +22,13 @@ import time
 
 import torch
 
-from a3po.arithmetic import WORDS
-from a3po.controller import clone_state
-from a3po.devices import DType, Device, model_device, resolve_device, synchronize
-from a3po.engines import ROLLOUT_ENGINES
-from a3po.models import TinyArch, build_tiny_model, count_parameters
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.data.arithmetic import WORDS
+from a3po.devices import Device, DType, model_device, resolve_device, synchronize
+from a3po.models.factory import TinyArch, build_tiny_model, count_parameters
+from a3po.producer.producer import clone_state
+from a3po.rollout.engines import ROLLOUT_ENGINES
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from bench.gpu_smoke import SIZES, build_random_qwen2
-
 
 # The tiny preset's sizes with 3 heads of 32 (its 4 heads of 24 have no vLLM CPU attention kernel).
 TINY_H32 = TinyArch(hidden_size=96, num_layers=2, num_heads=3, intermediate_size=192)
@@ -47,7 +46,7 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype):
 def make_engine(name: str, model, tokenizer, eos: int, pad: int, max_len: int, dtype: str, batch: int):
     if name == "torch":
         return RolloutEngine(model, eos, pad)
-    from a3po.engines.vllm_engine import VllmEngine
+    from a3po.rollout.vllm_engine import VllmEngine
 
     return VllmEngine.from_policy(model, tokenizer, clone_state(model), 0, work_dir=tempfile.mkdtemp(prefix="a3po-bench-vllm-"),
                                   max_model_len=max_len, dtype=dtype, seed=0, eos_token_id=eos, pad_token_id=pad,

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from a3po.config import preset, with_overrides
-from a3po.data import load_rows
+from a3po.algorithms.minibatches import MINIBATCH_SPLITS
+from a3po.config import preset
+from a3po.data.datasets import load_rows
 from a3po.devices import model_device, sampling_generator
-from a3po.logprobs import token_logprobs
-from a3po.minibatches import MINIBATCH_SPLITS
-from a3po.models import load_pretrained
-from a3po.pipeline import prepare_warmstart
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.models.factory import load_pretrained
+from a3po.models.logprobs import token_logprobs
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.run import prepare_warmstart
 
 SETTINGS = [("rows", False), ("rows", True), ("groups", False), ("groups", True)]
 

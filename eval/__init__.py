@@ -6,10 +6,10 @@ reverse. Importing ``eval`` pulls in nothing heavy (no torch, sympy, datasets or
 the CLI starts fast. Submodules:
 
 - ``eval.data``           benchmark loaders (hub name or local JSON/JSONL/parquet) to one record shape
-- ``eval.prompts``        prompt templates (the training prompt format ``a3po.prompts`` for chat, or a
+- ``eval.prompts``        prompt templates (the training prompt format ``a3po.data.prompts`` for chat, or a
                           plain "Question: ... Answer:" layout)
 - ``eval.metrics``        pass@k (Chen et al. 2021), mean@n
-- ``eval.runner``         batched evaluation of a model through ``a3po.rollout.generate_text``
+- ``eval.runner``         batched evaluation of a model through ``a3po.rollout.torch_engine.generate_text``
 - ``eval.lm_eval_bridge`` lm-eval's own gsm8k / minerva_math500 / aime24 tasks on local files
 - ``eval.synthetic``      synthetic completions for grader checks
 - ``eval.cli``            ``a3po eval``

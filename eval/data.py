@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from a3po.registry import Registry
-from a3po.utf8_lines import json_lines, undecodable
+from a3po.storage.utf8_lines import json_lines, undecodable
 
 FIXTURES_DIR = Path(__file__).with_name("fixtures")
 
@@ -80,7 +80,7 @@ def _as_str(answer: Any) -> str:
 
 
 def _arith_rows(n: int) -> list[dict]:
-    from a3po.arithmetic import generate_split
+    from a3po.data.arithmetic import generate_split
 
     return [{"id": r["id"], "prompt": r["prompt"], "answer": r["gold"], "solution": r["solution"]} for r in generate_split(n, "heldout", seed=0)]
 

@@ -2,7 +2,7 @@
 
 Instruction-tuned models are evaluated through their own chat template, asked to put the final
 answer in ``\\boxed{}`` (what the grader looks for first). The chat rendering is the function that
-formats training prompts (``a3po.prompts.format_prompt``): a policy trained with
+formats training prompts (``a3po.data.prompts.format_prompt``): a policy trained with
 ``data.prompt_format: auto`` (or ``chat``) and ``data.instruction`` set to the instruction below
 sees identical prompts in training and on the benchmarks. Otherwise a tokenizer without a chat template
 (a base model, the in-code tiny tokenizer) gets a plain "Question: ... Answer:" layout with the
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from a3po.prompts import format_prompt, has_chat_template
+from a3po.data.prompts import format_prompt, has_chat_template
 from a3po.registry import Registry
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

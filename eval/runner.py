@@ -1,7 +1,7 @@
 """The evaluation runner: a model (in memory or a checkpoint path) on benchmarks, graded.
 
 Reads top to bottom like the pipeline: load records -> render prompts -> generate (batched, via
-the project's rollout engine ``a3po.rollout.generate_text``) -> cut at stop strings -> grade
+the project's rollout engine ``a3po.rollout.torch_engine.generate_text``) -> cut at stop strings -> grade
 (``a3po.grading``) -> metrics (``eval.metrics``) -> write ``results.json`` and one JSONL line per
 completion (prompt, completion, extracted answer, gold, score). Greedy decoding gives pass@1;
 ``n_samples`` sampled completions per problem give mean@n and unbiased pass@k.
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from eval.data import BENCHMARKS, EvalRecord, load_benchmark
 from a3po.grading import grade, stats
+from eval.data import BENCHMARKS, EvalRecord, load_benchmark
 from eval.metrics import mean, summarize_samples
 from eval.prompts import PromptConfig, render
 
@@ -97,15 +97,15 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
 def load_model(spec: str):
     """``(model, tokenizer, name)`` for ``spec``: a built-in size such as ``tiny`` (a random
     model over the embedded task's vocabulary, for offline smoke runs) or a local checkpoint /
-    hub name (``a3po.models.load_model``, as training loads them)."""
-    from a3po.models import load_model as load
+    hub name (``a3po.models.factory.load_model``, as training loads them)."""
+    from a3po.models.factory import load_model as load
 
     model, tokenizer = load(spec)
     return model, tokenizer, str(spec)
 
 
 def _generate(model, tokenizer, prompts: list[str], cfg: EvalConfig, sampled: bool) -> list[str]:
-    from a3po.rollout import SamplingParams, generate_text
+    from a3po.rollout.torch_engine import SamplingParams, generate_text
 
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,

@@ -35,15 +35,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
-
-import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
-from a3po.arms import OPPO_MODES, arm_config, arm_name, expand_arms, parse_arm
-from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preset as load_preset, with_overrides
+import flows  # noqa: F401  (offline defaults before Prefect is imported)
+from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, with_overrides
+from a3po.config import preset as load_preset
 from a3po.devices import Device, DType
-from a3po.launch import LaunchMode, LaunchSpec, launch_spec
-from a3po.runlock import RunFolderBusy, hold_run_folder
+from a3po.storage.runlock import RunFolderBusy, hold_run_folder
+from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
+from infra.launch import LaunchMode, LaunchSpec, launch_spec
+from tasks.arms import OPPO_MODES, arm_config, arm_name, expand_arms, parse_arm
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.evaluation import BENCHMARKS
 from tasks.links import RunLinks, tag_run_links
@@ -51,7 +52,6 @@ from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, log_to_parent, open_parent_run
 from tasks.training import launch_for_config, run_dir_for, topology_tags, warm_start, warmstart_ready
-from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 
 DEFAULT_VARIANTS = [v.value for v in Variant]  # sync, recompute, loglinear
 
@@ -101,7 +101,7 @@ def output_folder(preset: str, output_dir: str | None) -> Path:
 
 
 def variant_config(base: TrainConfig, arm: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
-    """The config of one arm (a variant, or ``<variant>+oppo-<mode>``: a3po.arms) and seed;
+    """The config of one arm (a variant, or ``<variant>+oppo-<mode>``: tasks.arms) and seed;
     ``variant_overrides`` keyed by the variant apply to all its arms, keyed by the arm to that one."""
     vo = variant_overrides or {}
     variant, _ = parse_arm(arm)
@@ -128,8 +128,8 @@ def run_comparison(
     local): each training runs as ranks of ``python -m a3po.cli train`` (tasks.training.train_launched).
     ``fanout_deployment``: each variant x seed runs as a run of that ``train-one`` deployment,
     all submitted at once, on the workers of its pool (flows.train_one); else here, in turn.
-    ``variants`` are arms (a3po.arms): ``loglinear``, ``loglinear+oppo-inter``, ...; each record's
-    ``arm`` is the name of the config that ran (a3po.arms.arm_name)."""
+    ``variants`` are arms (tasks.arms): ``loglinear``, ``loglinear+oppo-inter``, ...; each record's
+    ``arm`` is the name of the config that ran (tasks.arms.arm_name)."""
     # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
     data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
     base = with_prepared_data(base, data)
@@ -196,7 +196,7 @@ def compare_variants(
 
     preset: built-in config (tiny: learns in minutes on CPU; micro: seconds, plumbing only).
     variants: any of sync, recompute, loglinear. oppo: OPPO modes (off, intra, inter, both;
-    a3po.arms) compared like the variants: each variant runs once per mode, as the arm
+    tasks.arms) compared like the variants: each variant runs once per mode, as the arm
     ``<variant>`` (off) or ``<variant>+oppo-<mode>``; None (default): as the config says.
     A mode the config cannot run (intra on the GRPO path, both) fails here, naming the field.
     seeds: RL seeds (paired across variants and modes).
@@ -215,7 +215,7 @@ def compare_variants(
     each of the trainer's two Python threads; the library's default 1 suits 2 cores).
     launch: "local" (in-process, the default) or a LaunchSpec as a dict, e.g. ``{"mode":
     "torchrun", "nproc_per_node": 2}``: each training then runs ``python -m a3po.cli train`` as
-    launched ranks (a3po.launch; docs/distributed.md); the topology is recorded on the runs.
+    launched ranks (infra.launch; docs/distributed.md); the topology is recorded on the runs.
     fanout_deployment: e.g. "train-one/train-one" (infra/prefect.yaml): each variant x seed runs
     as a run of that deployment on its pool's workers, in parallel (flows.train_one; needs a real
     Prefect server, an output dir every worker sees, and an MLflow store each can reach); the
@@ -374,7 +374,7 @@ def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.Arg
 
 
 def add_launch_args(ap: argparse.ArgumentParser) -> None:
-    """``--launch`` and the LaunchSpec fields (a3po.launch; docs/distributed.md), shared by the flows."""
+    """``--launch`` and the LaunchSpec fields (infra.launch; docs/distributed.md), shared by the flows."""
     g = ap.add_argument_group("launch (multi-process training; docs/distributed.md)")
     g.add_argument("--launch", choices=[m.value for m in LaunchMode], default="local",
                    help="local: in-process (default); torchrun / deepspeed: each training runs `python -m a3po.cli train` as launched ranks")

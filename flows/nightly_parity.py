@@ -31,15 +31,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
-from a3po.arms import arm_name, arm_config
-from a3po.launch import launch_spec
-from flows.compare_variants import _csv, add_launch_args, build_config, default_data_dir, launch_from_args, launch_params, parent_params, parse_sets, run_comparison
-from a3po.runlock import RunFolderBusy, hold_run_folder
-from tasks.parity import METRICS, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict, ParityResult
+import flows  # noqa: F401  (offline defaults before Prefect is imported)
+from a3po.storage.runlock import RunFolderBusy, hold_run_folder
+from flows.compare_variants import (
+    _csv,
+    add_launch_args,
+    build_config,
+    default_data_dir,
+    launch_from_args,
+    launch_params,
+    parent_params,
+    parse_sets,
+    run_comparison,
+)
+from infra.launch import launch_spec
+from tasks.arms import arm_config, arm_name
 from tasks.links import RunLinks, tag_run_links
+from tasks.parity import METRICS, ParityResult, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
 from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import close_parent_run, log_to_parent, open_parent_run
@@ -93,7 +103,7 @@ def nightly_parity(
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
-    candidate / references: arms (a3po.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
+    candidate / references: arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
     OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
 
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
@@ -110,7 +120,7 @@ def nightly_parity(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     spec = launch_spec(launch)
     base = build_config(preset, config, steps=steps, max_staleness=max_staleness, overrides=overrides, torch_threads=torch_threads)
-    # Arms (a3po.arms) by the name of the config each builds: a bare variant keeps the config's OPPO section.
+    # Arms (tasks.arms) by the name of the config each builds: a bare variant keeps the config's OPPO section.
     # An unknown name or an unsupported combination raises here, before anything runs.
     label = lambda arm: arm_name(arm_config(base, arm, seeds[0] if seeds else 0))  # noqa: E731
     candidate, references = label(candidate), [label(r) for r in references]

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow, get_run_logger
 
+import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import ConfigError, Variant
+from a3po.storage.runlock import RunFolderBusy, hold_run_folder
 from flows.compare_variants import _csv, build_config, default_data_dir, parent_params, parse_sets, run_comparison
-from a3po.runlock import RunFolderBusy, hold_run_folder
 from tasks.claims import report_claims
 from tasks.links import RunLinks, tag_run_links
 from tasks.runtime import default_tracking_uri, prefect_api

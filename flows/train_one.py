@@ -22,13 +22,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from prefect import flow
 from prefect.runtime import flow_run
 
-from a3po.checkpoint import atomic_write_text
+import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import TrainConfig, config_from_dict
-from a3po.launch import LaunchMode, LaunchSpec, launch_spec
+from a3po.storage.checkpoint import atomic_write_text
+from infra.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.evaluation import evaluate_checkpoint
 from tasks.tracking import TrackingRef, log_evaluation
 from tasks.training import WarmStart, launch_for_config, train_launched, train_variant
@@ -61,7 +61,7 @@ def train_and_evaluate(
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
-    """A LaunchSpec as flow parameters (JSON), the inverse of :func:`a3po.launch.launch_spec`."""
+    """A LaunchSpec as flow parameters (JSON), the inverse of :func:`infra.launch.launch_spec`."""
     d = dataclasses.asdict(spec)
     d["mode"] = spec.mode.value
     d["nodes"] = list(spec.nodes) if spec.nodes is not None else None

@@ -6,7 +6,7 @@ Prefect's cache keys and persisted results stay small and meaningful.
 
 - ``tasks.runtime``    offline defaults (telemetry off, project-local Prefect home), the
                        temporary Prefect server, the default MLflow store
-- ``tasks.tracking``   the MLflow :class:`~a3po.metrics.MetricLogger` (batched ``log_batch``),
+- ``tasks.tracking``   the MLflow :class:`~a3po.training.metrics.MetricLogger` (batched ``log_batch``),
                        parent / child runs by explicit id, params, artifacts
 - ``tasks.data``       ``prepare_dataset``: validated train / held-out JSONL, cached by content
 - ``tasks.training``   ``warm_start`` (cached) and ``train_variant`` (resumes; safe to retry)

@@ -4,7 +4,7 @@ evaluated on, validated once and materialised as JSONL.
 Why materialise: the embedded task is generated in code and a JSONL source may hold bad rows;
 writing the validated rows once gives the pipeline one artifact, named by a hash of its inputs
 (data config, tokenizer, source file contents), that warm start, training and evaluation all
-read by path. The rows are exactly what :func:`a3po.data.load_rows` yields, in the same order,
+read by path. The rows are exactly what :func:`a3po.data.datasets.load_rows` yields, in the same order,
 so training on the materialised files equals training on the source.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import task
 
 from a3po.config import TrainConfig, data_identity, with_overrides
-from a3po.data import load_rows
+from a3po.data.datasets import load_rows
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def dataset_key(cfg: TrainConfig) -> str:
 
 def tokenizer_for(cfg: TrainConfig):
     """The policy's tokenizer without building the model (built-in archs use the in-code one)."""
-    from a3po.models import load_tokenizer
+    from a3po.models.factory import load_tokenizer
 
     return load_tokenizer(cfg.model.name)
 

@@ -1,7 +1,7 @@
 """``evaluate_checkpoint``: a trained policy on the in-domain held-out set and, when their files
 are there, GSM8K / MATH500 / AIME24.
 
-The held-out figures are :func:`a3po.evaluate.evaluate_heldout` (the trainer's own measure:
+The held-out figures are :func:`a3po.training.heldout.evaluate_heldout` (the trainer's own measure:
 sampled mean@n at the training temperature, plus greedy pass@1, on the prepared held-out
 file); the benchmarks go through ``eval.runner.run_eval`` (the same rollout engine and grader).
 Benchmark files are looked up in ``data_dir`` (``<data_dir>/<name>/test.jsonl``); the pipeline
@@ -81,9 +81,9 @@ def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: 
     """Plain function behind the task (also used by the overhead bench)."""
     import torch
 
-    from a3po.data import load_rows
-    from a3po.evaluate import evaluate_heldout
-    from a3po.models import load_pretrained
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.training.heldout import evaluate_heldout
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.torch_threads)

@@ -1,4 +1,4 @@
-"""``launch_ranks``: run a command as torchrun / DeepSpeed ranks from a flow (thin over :mod:`a3po.launch`).
+"""``launch_ranks``: run a command as torchrun / DeepSpeed ranks from a flow (thin over :mod:`infra.launch`).
 
 Every output line of every rank goes into the flow run's logs as ``[rank N] text`` (launcher
 lines as ``[launcher] text``) while it runs; the task returns a :class:`LaunchRecord` (topology,
@@ -14,7 +14,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from a3po.launch import LaunchSpec, launch
+from infra.launch import LaunchSpec, launch
 from tasks.runtime import run_logger
 
 

@@ -1,6 +1,6 @@
 """Convergence parity: is the candidate variant (loglinear) no worse than each reference
 (recompute, sync), beyond a tolerance, across seeds? Candidate and references are arms
-(a3po.arms), so the same rule compares OPPO on with OPPO off (``loglinear+oppo-inter`` vs
+(tasks.arms), so the same rule compares OPPO on with OPPO off (``loglinear+oppo-inter`` vs
 ``loglinear``).
 
 The rule (a paired non-inferiority test):
@@ -30,7 +30,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from a3po.arms import metric_key_part
+from tasks.arms import metric_key_part
 from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history
 
 METRICS = ("final_reward", "final_acc")

@@ -1,5 +1,5 @@
 """``train_reward_model``: the embedded default's neural reward model, a thin task over
-:func:`a3po.reward_model.prepare_reward_model`.
+:func:`a3po.training.reward_model.prepare_reward_model`.
 
 Trained offline once per (warm start, settings) from samples of the warm-started policy that
 the grader labelled, cached like the warm start (the library's folder key + Prefect's cache
@@ -17,8 +17,8 @@ from pathlib import Path
 from prefect import task
 
 from a3po.config import TrainConfig
-from a3po.reward_model import RewardModelSettings, prepare_reward_model, reward_model_key
-from a3po.rollout import SamplingParams
+from a3po.rollout.torch_engine import SamplingParams
+from a3po.training.reward_model import RewardModelSettings, prepare_reward_model, reward_model_key
 from tasks.runtime import run_logger
 from tasks.tracking import TrackingRef, client_for, log_metrics_now
 from tasks.training import WarmStart

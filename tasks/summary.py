@@ -13,12 +13,12 @@ Definitions (also in docs/pipeline.md):
 - **time to target**: ``time/train_wall_s`` (trainer wall clock: rollout wait + update, without
   evaluation) at the first step whose smoothed reward reaches the target; a variant's figure is
   the mean over its seeds, reported only when every seed got there.
-- **rows** are arms (a3po.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), compared
+- **rows** are arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), compared
   like variants; an OPPO arm is also compared with its variant's OPPO-off row.
 - **speedup of A vs B**: ``T_B / T_A`` for time to target, and ``mean step time_B / mean step
   time_A`` for ``perf/step_time_s`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
   final held-out accuracy.
-- **stability columns** (per-step metrics of ``a3po.stability``, each over the step's tokens):
+- **stability columns** (per-step metrics of ``a3po.algorithms.stability``, each over the step's tokens):
   "behaviour IW max" = the largest ``stability/behav_iw_max`` (``pi_prox / pi_behav``, the
   off-policy importance weight A-3PO's stability claim is about) over steps and seeds;
   "behaviour IW p99" = the mean over steps of the step's 99th percentile of it (mean over seeds);
@@ -38,7 +38,7 @@ from typing import Any, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from a3po.arms import metric_key_part, parse_arm
+from tasks.arms import metric_key_part, parse_arm
 
 SMOOTH_FRAC = 0.25
 TARGET_FRACTION = 0.8
@@ -85,7 +85,7 @@ def _mean(xs: Sequence[float | None]) -> float | None:
     return sum(xs) / len(xs)
 
 
-# Per-run stability figures from the step metrics (a3po.stability): key -> (step metric, how the
+# Per-run stability figures from the step metrics (a3po.algorithms.stability): key -> (step metric, how the
 # steps are combined). Maxima are the run's maximum; the p99 and the clipped fraction are the mean
 # over steps of the step's figure (each step's is over its own tokens).
 STABILITY_FIGURES = {

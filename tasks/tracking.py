@@ -1,4 +1,4 @@
-"""MLflow tracking: the library's :class:`~a3po.metrics.MetricLogger` over ``MlflowClient``,
+"""MLflow tracking: the library's :class:`~a3po.training.metrics.MetricLogger` over ``MlflowClient``,
 and parent / child runs addressed by explicit run id.
 
 Why explicit ids: MLflow's active run is thread-local and Prefect may run a task in a worker
@@ -16,7 +16,7 @@ its metrics to the run folder first (``metrics.jsonl``) and the shipper thread c
 MLflow, keeping them through an outage and sending them, in order, when the server returns;
 training never waits on it.
 
-Superseding: a RUNNING run whose folder nobody holds (:mod:`a3po.runlock`) was left by a killed
+Superseding: a RUNNING run whose folder nobody holds (:mod:`a3po.storage.runlock`) was left by a killed
 process and is marked KILLED by the next run of that folder; a live run's folder is locked, so
 it is never touched.
 """
@@ -37,8 +37,8 @@ from typing import Any, Iterable, Iterator, Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from a3po.metrics import valid_metric_key
-from a3po.runlock import in_use_by_another
+from a3po.storage.runlock import in_use_by_another
+from a3po.training.metrics import valid_metric_key
 from tasks.runtime import sqlite_path
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
@@ -127,7 +127,7 @@ def find_runs(client, experiment_id: str, tags: Mapping[str, str], status: str |
 def kill_stale_runs(client, experiment_id: str, tags: Mapping[str, str], folder_tag: str, keep: Iterable[str] = (), note: str = "") -> list[str]:
     """Mark KILLED the RUNNING runs with ``tags`` whose owner is gone: what a SIGKILLed flow
     leaves behind. The owner of a run is whoever holds the run folder named by its
-    ``folder_tag`` tag (:mod:`a3po.runlock`); a run whose folder another live process holds
+    ``folder_tag`` tag (:mod:`a3po.storage.runlock`); a run whose folder another live process holds
     is left alone, and so is one recorded on another host (its lock cannot be checked from
     here). Returns the ids marked."""
     keep = set(keep)
@@ -183,7 +183,7 @@ def short_client_retries(max_retries: int = 0, timeout_s: int = 30) -> Iterator[
 
 
 class MlflowMetricLogger:
-    """A :class:`~a3po.metrics.MetricLogger` writing to one MLflow run by id, batched and shipped
+    """A :class:`~a3po.training.metrics.MetricLogger` writing to one MLflow run by id, batched and shipped
     by a background thread, so tracking can never stop training.
 
     ``log_metrics`` only queues (in order). The shipper sends the queue with ``log_batch`` every

@@ -1,4 +1,4 @@
-"""``warm_start`` and ``train_variant``: thin tasks over :mod:`a3po.pipeline`.
+"""``warm_start`` and ``train_variant``: thin tasks over :mod:`a3po.training.run`.
 
 ``train_variant`` is safe to retry, and a killed flow is safe to re-run: the library resumes
 from ``<run_dir>/checkpoints`` (atomic, every ``rl.checkpoint_every`` steps) and, with the
@@ -11,7 +11,7 @@ the child run of its flow run (steps already logged are not logged again); a new
 gets a new child run, marks the killed one KILLED and back-fills the steps restored from the
 checkpoint, so its record is complete.
 
-The task holds its run folder's lock (:mod:`a3po.runlock`) from start to end, and a tracking
+The task holds its run folder's lock (:mod:`a3po.storage.runlock`) from start to end, and a tracking
 outage does not stop it: metrics land in ``<run_dir>/metrics.jsonl`` and a background shipper
 delivers them to MLflow when it can (see :class:`tasks.tracking.MlflowMetricLogger`).
 """
@@ -31,13 +31,15 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from a3po.arms import arm_name, oppo_mode
-from a3po.checkpoint import atomic_write_text
 from a3po.config import TrainConfig, config_to_dict
-from a3po.launch import LaunchSpec
-from a3po.metrics import FanoutLogger, JsonlLogger
-from a3po.pipeline import prepare_warmstart, train_variant as library_train_variant, warmstart_key
-from a3po.runlock import RunFolderBusy, hold_run_folder
+from a3po.storage.checkpoint import atomic_write_text
+from a3po.storage.runlock import RunFolderBusy, hold_run_folder
+from a3po.training.metrics import FanoutLogger, JsonlLogger
+from a3po.training.run import prepare_warmstart, warmstart_key
+from a3po.training.run import train_variant as library_train_variant
+from infra.launch import LaunchSpec
+from tasks.arms import arm_name, oppo_mode
+from tasks.launch import LaunchRecord, launch_ranks
 from tasks.runtime import run_logger
 from tasks.summary import final_reward
 from tasks.tracking import (
@@ -54,14 +56,13 @@ from tasks.tracking import (
     prefect_ids,
     short_client_retries,
 )
-from tasks.launch import LaunchRecord, launch_ranks
 
 
 @dataclass(frozen=True)
 class WarmStart:
     dir: str  # an HF model directory
     heldout_acc: float
-    key: str  # a3po.pipeline.warmstart_key of the config
+    key: str  # a3po.training.run.warmstart_key of the config
     seconds: float = 0.0  # time in the library call (0 when it found the cache)
 
 
@@ -69,12 +70,12 @@ def config_hash(cfg: TrainConfig) -> str:
     """Hash of everything that determines a run (the output dir aside)."""
     d = config_to_dict(cfg)
     d.pop("output_dir", None)
-    d.pop("update_threads", None)  # results do not depend on it (a3po.threads); run folders keep their names
+    d.pop("update_threads", None)  # results do not depend on it (a3po.training.threads); run folders keep their names
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def run_dir_for(output_dir: str | Path, cfg: TrainConfig) -> Path:
-    """``<arm>-seed<seed>-<config hash>``; the arm is the variant when OPPO is off (a3po.arms)."""
+    """``<arm>-seed<seed>-<config hash>``; the arm is the variant when OPPO is off (tasks.arms)."""
     return Path(output_dir).resolve() / f"{arm_name(cfg)}-seed{cfg.rl.seed}-{config_hash(cfg)}"
 
 
@@ -104,7 +105,7 @@ def warm_start(cfg: TrainConfig, cache_root: str) -> WarmStart:
 @dataclass(frozen=True)
 class RunRecord:
     variant: str
-    arm: str  # the comparison's row: the variant, or <variant>+oppo-<mode> (a3po.arms)
+    arm: str  # the comparison's row: the variant, or <variant>+oppo-<mode> (tasks.arms)
     seed: int
     run_dir: str
     final_dir: str  # HF model directory of the final weights
@@ -115,7 +116,7 @@ class RunRecord:
     steps: int
     wall_s: float
     resumed_from: int | None
-    library_s: float = 0.0  # time inside a3po.pipeline.train_variant
+    library_s: float = 0.0  # time inside a3po.training.run.train_variant
     tracking_s: float = 0.0  # MLflow log_batch calls of the metric shipper (its own thread, beside library_s)
 
     def as_dict(self) -> dict[str, Any]:
@@ -270,7 +271,7 @@ def launch_for_config(spec: LaunchSpec, cfg: TrainConfig) -> LaunchSpec:
     """``spec`` with the ZeRO stage of the config's DeepSpeed JSON, so the recorded topology is
     what the ranks run. Raises when the two disagree, or when several ranks would train without
     a DeepSpeed config (the ranks would refuse it after their start-up; this fails before)."""
-    from a3po.distributed import read_deepspeed_json, zero_stage
+    from a3po.parallel.ranks import read_deepspeed_json, zero_stage
 
     ds = cfg.distributed.deepspeed_config
     stage = zero_stage(read_deepspeed_json(ds, cfg.rl.grad_clip)) if ds else None

@@ -52,13 +52,13 @@ def _core_digit_reward(task: str, completions: list[str], golds: list[str], ids:
 @pytest.fixture(scope="module")
 def core_stub_rewards():
     """Replace the grader behind RL rewards and held-out accuracy (``a3po.grading.score`` via
-    ``a3po.rewards.score_completions``, imported by name in trainer and evaluate) for a module."""
-    import a3po.evaluate
-    import a3po.rewards
-    import a3po.trainer
+    ``a3po.grading.rewards.score_completions``, imported by name in trainer and evaluate) for a module."""
+    import a3po.grading.rewards
+    import a3po.training.heldout
+    import a3po.training.loop
 
     with pytest.MonkeyPatch.context() as mp:
-        for mod in (a3po.rewards, a3po.trainer, a3po.evaluate):
+        for mod in (a3po.grading.rewards, a3po.training.loop, a3po.training.heldout):
             mp.setattr(mod, "score_completions", _core_digit_reward)
         yield _core_digit_reward
 

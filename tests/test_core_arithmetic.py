@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from a3po.arithmetic import ArithmeticDifficulty, generate_split
 from a3po.config import DataConfig
+from a3po.data.arithmetic import ArithmeticDifficulty, generate_split
 
 LINE = re.compile(r"^(\d+) ([+*-]) (\d+) = (\d+)\n#### (\d+)$")
 

@@ -75,7 +75,7 @@ def test_gpu_smoke_runs_every_variant_on_cpu_and_ends_with_one_json_line(capsys)
 
 
 def test_gpu_smoke_full_size_is_the_qwen2_5_0_5b_shape():
-    from a3po.models import count_parameters
+    from a3po.models.factory import count_parameters
     from bench import gpu_smoke
 
     # On the meta device: the shape without allocating 2 GB.

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-import a3po.checkpoint as ckpt
-from a3po.checkpoint import (
+import a3po.storage.checkpoint as ckpt
+from a3po.storage.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
     begin_step,
@@ -124,7 +124,7 @@ def test_hard_kill_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     save_checkpoint(tmp_path, 2, _state(2))
     code = textwrap.dedent(f"""
         import os, torch
-        import a3po.checkpoint as c
+        import a3po.storage.checkpoint as c
         def dying_save(obj, f):
             f.write(b"partial")
             f.flush()

@@ -1,4 +1,4 @@
-"""Online chunk-size tuning (a3po.chunk_tuner): candidates, probe -> exploit -> re-probe on a
+"""Online chunk-size tuning (a3po.oppo.chunk_tuner): candidates, probe -> exploit -> re-probe on a
 schedule or on a shift of the answer lengths, and a state that survives JSON."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from a3po.chunk_tuner import ChunkTuner, chunk_candidates
+from a3po.oppo.chunk_tuner import ChunkTuner, chunk_candidates
 
 
 def test_candidates_are_the_bounds_and_powers_of_two_between():

@@ -2,7 +2,7 @@
 by token, and per step in a real micro run), bit-for-bit reproducibility and resume, and
 sync = staleness 0.
 
-Deterministic schedule (``a3po/controller.py``), with ``s = max_staleness`` and ``M =
+Deterministic schedule (``a3po/producer/producer.py``), with ``s = max_staleness`` and ``M =
 max_new_tokens``: batch ``j`` starts on version ``max(0, j - s)``; if ``s >= 1`` and
 ``j - s + 1 >= 1`` it switches to version ``j - s + 1`` before decode step ``M // 2``. The
 trainer trains batch ``j`` at version ``j``, so a token's staleness is
@@ -23,13 +23,13 @@ import time
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS, generate_split
 from a3po.config import preset, with_overrides
-from a3po.controller import Admission, PromptSampler, RolloutProducer, Stopped, WeightStore, clone_state
-from a3po.data import load_rows
-from a3po.models import build_tiny_model
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.trainer import rl_train
+from a3po.data.arithmetic import WORDS, generate_split
+from a3po.data.datasets import load_rows
+from a3po.models.factory import build_tiny_model
+from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, Stopped, WeightStore, clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.loop import rl_train
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

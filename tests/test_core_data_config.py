@@ -9,13 +9,13 @@ import json
 import pytest
 import yaml
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS
-from a3po.arithmetic import WORDS
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import DataConfig, RLConfig, load_config, merge_yaml, preset
-from a3po.data import BadRowError, load_rows, read_jsonl, validate_rows
-from a3po.proximal import PROXIMAL_METHODS
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import BadRowError, load_rows, read_jsonl, validate_rows
+from a3po.models.tokenizer import build_tokenizer
 from a3po.registry import Registry
-from a3po.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -191,8 +191,7 @@ def test_registry_duplicate_name_raises_and_unknown_lists_valid():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_reward_raises_naming_the_row(monkeypatch, bad):
     import a3po.grading
-
-    from a3po.rewards import RewardError, score_completions
+    from a3po.grading.rewards import RewardError, score_completions
 
     # A grader (or a custom reward) that returns a non-finite score for one completion.
     monkeypatch.setattr(

@@ -1,4 +1,4 @@
-"""Incremental decoders (a3po.decoders).
+"""Incremental decoders (a3po.models.decoders).
 
 The fast ``llama_like`` decoder must give what the model's own forward gives: greedy tokens
 equal to the ``generic`` decoder's and behaviour log-probs equal to a fresh full forward to float
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a3po.decoders import DECODERS, HFDecoder, LlamaLikeDecoder, decoder_for
-from a3po.logprobs import token_logprobs
-from a3po.rollout import RolloutEngine, SamplingParams
-from tiny_models import EOS, PAD
-from tiny_models import llama as _llama
-from tiny_models import qwen2 as _qwen2
+from a3po.models.decoders import DECODERS, HFDecoder, LlamaLikeDecoder, decoder_for
+from a3po.models.logprobs import token_logprobs
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from tests.support.tiny_models import EOS, PAD
+from tests.support.tiny_models import llama as _llama
+from tests.support.tiny_models import qwen2 as _qwen2
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

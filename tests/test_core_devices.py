@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
+from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import RLConfig, TrainConfig, Variant, config_from_dict, config_to_dict, load_config, preset, proximal_method_name
-from a3po.controller import clone_state
+from a3po.data.arithmetic import WORDS
 from a3po.devices import Device, DType, resolve_device
-from a3po.logprobs import token_logprobs
-from a3po.models import build_tiny_model
-from a3po.pipeline import build_model, warmstart_key
-from a3po.proximal import PROXIMAL_METHODS
-from a3po.trainer import train_step
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import token_logprobs
+from a3po.producer.producer import clone_state
+from a3po.training.loop import train_step
+from a3po.training.run import build_model, warmstart_key
 from bench.prox_logp import make_scored_batch
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")

@@ -11,15 +11,15 @@ import importlib.util
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS, generate_split
 from a3po.config import ConfigError, mid_batch_updates, preset, with_overrides
-from a3po.controller import Admission, PromptSampler, RolloutProducer, WeightStore, clone_state
-from a3po.data import load_rows
-from a3po.engines import ROLLOUT_ENGINES, build_engine
-from a3po.engines.mismatch import BehaviourCheck, behaviour_mismatch
-from a3po.models import build_tiny_model
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.trainer import rl_train
+from a3po.data.arithmetic import WORDS, generate_split
+from a3po.data.datasets import load_rows
+from a3po.models.factory import build_tiny_model
+from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, WeightStore, clone_state
+from a3po.rollout.engines import ROLLOUT_ENGINES, build_engine
+from a3po.rollout.logprob_mismatch import BehaviourCheck, behaviour_mismatch
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.loop import rl_train
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

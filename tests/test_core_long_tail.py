@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from a3po.arithmetic import WORDS, ArithmeticDifficulty, generate_split
 from a3po.config import ConfigError, preset, with_overrides
-from a3po.tokenizer import build_tokenizer
+from a3po.data.arithmetic import WORDS, ArithmeticDifficulty, generate_split
+from a3po.models.tokenizer import build_tokenizer
 
 
 def test_off_draws_the_same_problems_as_before():

@@ -1,6 +1,6 @@
 """Decoupled PPO loss and GRPO advantages against hand-derived numbers.
 
-Loss per token (``a3po/losses.py``): ``l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps_high))``
+Loss per token (``a3po/algorithms/losses.py``): ``l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps_high))``
 with ``r_t = exp(logp_t - prox_t)`` and ``w_t = exp(prox_t - behav_t)``; tokens with
 ``w_t > cap`` are dropped; ``L = sum_t keep_t l_t / N`` with ``N = mask.sum()`` (dropped tokens
 still count). Hence ``dL/dlogp_t = -(w_t A_t r_t) / N`` where the unclipped branch is active and
@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, grpo_advantages, mean_centered_advantages
-from a3po.checks import NonFiniteError
-from a3po.losses import decoupled_ppo_loss
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, grpo_advantages, mean_centered_advantages
+from a3po.algorithms.checks import NonFiniteError
+from a3po.algorithms.losses import decoupled_ppo_loss
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

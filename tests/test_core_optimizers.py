@@ -1,4 +1,4 @@
-"""The RL updates' AdamW (:mod:`a3po.optimizers`): torch's fused kernel where it exists, the
+"""The RL updates' AdamW (:mod:`a3po.algorithms.optimizers`): torch's fused kernel where it exists, the
 same update as torch's reference loop up to rounding, and a checkpoint resumes on the
 implementation it was written with."""
 
@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from a3po.optimizers import adamw, fused_supported
+from a3po.algorithms.optimizers import adamw, fused_supported
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -1,4 +1,4 @@
-"""OPPO inter-step overlap (a3po.overcommit): the Delta rule, the carry-over buffer, and the
+"""OPPO inter-step overlap (a3po.oppo.overcommit): the Delta rule, the carry-over buffer, and the
 ledger of every admitted prompt group from admission to training across a checkpoint and
 resume taken while sequences are carried over (none lost, none trained twice); a resumed
 OPPO run equals an uninterrupted one bit for bit; config bounds."""
@@ -10,15 +10,15 @@ import json
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS, generate_split
-from a3po.checkpoint import load_checkpoint, save_checkpoint
 from a3po.config import ConfigError, preset, with_overrides
-from a3po.controller import Admission, PromptSampler, WeightStore, clone_state
-from a3po.data import load_rows
-from a3po.models import build_tiny_model
-from a3po.overcommit import CarryBuffer, DeltaController, OverlapProducer, pack_rollout, reward_slope
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.trainer import rl_train
+from a3po.data.arithmetic import WORDS, generate_split
+from a3po.data.datasets import load_rows
+from a3po.models.factory import build_tiny_model
+from a3po.oppo.overcommit import CarryBuffer, DeltaController, OverlapProducer, pack_rollout, reward_slope
+from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.storage.checkpoint import load_checkpoint, save_checkpoint
+from a3po.training.loop import rl_train
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

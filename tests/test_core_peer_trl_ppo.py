@@ -10,11 +10,11 @@ import statistics
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
 from a3po.config import preset
-from a3po.controller import PromptSampler
-from a3po.data import load_rows, prompt_style
-from a3po.models import build_tiny_model
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import load_rows, prompt_style
+from a3po.models.factory import build_tiny_model
+from a3po.producer.producer import PromptSampler
 from bench import oppo
 from bench.peer_trl_ppo import GraderReward, SigmoidReward, main, trl_ppo_missing
 
@@ -83,8 +83,8 @@ def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_p
 
 
 def test_reward_model_behind_trls_interface_scores_as_the_project_does():
-    from a3po.ppo import reward_model_scores
-    from a3po.reward_model import build_reward_model
+    from a3po.training.ppo_parts import reward_model_scores
+    from a3po.training.reward_model import build_reward_model
 
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
     rm = build_reward_model(policy, tok.pad_token_id)

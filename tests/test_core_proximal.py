@@ -2,7 +2,7 @@
 standard PPO when every token is on-policy (d = 0).
 
 ``log pi_prox = a * log pi_behav + (1 - a) * log pi_theta`` with ``a = 1/d`` (``d >= 1``), ``a = 0``
-(``d <= 0``); see ``a3po/proximal.py``. The pure function is tested here; what the trainer
+(``d <= 0``); see ``a3po/algorithms/proximal.py``. The pure function is tested here; what the trainer
 actually uses is the registered method, which anchors on ``behav`` at ``d = 0`` (tested below at
 method level and in ``test_core_trainer.py`` through ``train_step`` against hand-derived numbers).
 """
@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a3po.checks import NonFiniteError
-from a3po.losses import decoupled_ppo_loss, ppo_clip_loss
-from a3po.proximal import PROXIMAL_METHODS, ProxInputs, loglinear_alpha, loglinear_prox_logp
+from a3po.algorithms.checks import NonFiniteError
+from a3po.algorithms.losses import decoupled_ppo_loss, ppo_clip_loss
+from a3po.algorithms.proximal import PROXIMAL_METHODS, ProxInputs, loglinear_alpha, loglinear_prox_logp
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

@@ -13,13 +13,13 @@ import json
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
 from a3po.config import ConfigError, config_from_dict, preset, with_overrides
-from a3po.controller import PromptSampler
-from a3po.data import BadRowError, load_rows
-from a3po.models import build_tiny_model, load_pretrained
-from a3po.pipeline import prepare_warmstart, train_variant
-from a3po.warmstart import warm_start
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import BadRowError, load_rows
+from a3po.models.factory import build_tiny_model, load_pretrained
+from a3po.producer.producer import PromptSampler
+from a3po.training.run import prepare_warmstart, train_variant
+from a3po.training.warmstart import warm_start
 
 # Only characters and words the in-code tokenizer knows, so decoding gives the text back.
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %} Answer: {% endif %}"
@@ -139,8 +139,8 @@ def test_warm_start_steps_zero_evaluates_the_model_as_it_is(tmp_path, core_one_t
     meta = json.loads((ws_dir / "a3po_warmstart.json").read_text())
     assert meta["warmstart/steps"] == 0.0 and "warmstart/final_loss" not in meta
 
-    from a3po.data import load_rows as rows_of
-    from a3po.evaluate import evaluate_heldout
+    from a3po.data.datasets import load_rows as rows_of
+    from a3po.training.heldout import evaluate_heldout
 
     _, heldout, _ = rows_of(cfg.data, tokenizer)
     assert acc == evaluate_heldout(untouched, tokenizer, heldout, cfg)["eval/heldout_acc"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
-from a3po.logprobs import position_ids_from_mask, token_logprobs
-from a3po.models import build_tiny_model
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.data.arithmetic import WORDS
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import position_ids_from_mask, token_logprobs
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

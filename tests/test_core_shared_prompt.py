@@ -1,5 +1,5 @@
-"""The training forward with shared prompts (a3po.logprobs.response_logits) and the minibatch
-splits (a3po.minibatches).
+"""The training forward with shared prompts (a3po.models.logprobs.response_logits) and the minibatch
+splits (a3po.algorithms.minibatches).
 
 Running each distinct prompt once and the responses on top of its KV cache must give the plain
 forward's log-probs, entropies and gradients to float rounding (different matmul shapes: ~1e-6
@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
+from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dict
-from a3po.logprobs import token_logprobs
-from a3po.minibatches import MINIBATCH_SPLITS
-from a3po.rollout import RolloutEngine, SamplingParams
-from tiny_models import EOS, PAD, llama, qwen2
+from a3po.models.logprobs import token_logprobs
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from tests.support.tiny_models import EOS, PAD, llama, qwen2
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

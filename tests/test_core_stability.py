@@ -1,4 +1,4 @@
-"""Step stability statistics (``a3po.stability``) against hand-derived numbers.
+"""Step stability statistics (``a3po.algorithms.stability``) against hand-derived numbers.
 
 Quantile rule (type 7): for sorted ``x_(0..n-1)`` and level q, ``p = q (n - 1)``,
 ``Q = x_(floor p) + frac(p) (x_(floor p + 1) - x_(floor p))``.
@@ -24,9 +24,9 @@ import math
 import pytest
 import torch
 
-from a3po.losses import decoupled_ppo_loss
-from a3po.stability import TokenStats, quantile, stability_metrics
-from a3po.trainer import combine_minibatch_metrics
+from a3po.algorithms.losses import decoupled_ppo_loss
+from a3po.algorithms.stability import TokenStats, quantile, stability_metrics
+from a3po.training.loop import combine_minibatch_metrics
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

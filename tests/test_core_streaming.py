@@ -2,8 +2,8 @@
 chunk by chunk (own KV cache, own thread, fed by the rollout engine's per-token callback) equal
 one-shot scoring of the finished batch.
 
-The one-shot figures come from transformers' own forwards, not from a3po.streaming:
-``a3po.logprobs.token_logprobs`` (the trainer's path) for log-probs,
+The one-shot figures come from transformers' own forwards, not from a3po.oppo.streaming:
+``a3po.models.logprobs.token_logprobs`` (the trainer's path) for log-probs,
 ``Qwen2ForTokenClassification(...).logits`` for values, ``Qwen2ForSequenceClassification(...)``
 (which pools at the rightmost non-pad token) for the reward. Cached and full attention run
 different kernels, so fp32 agreement is to rounding (~1e-7 here); tolerance 1e-5 as required.
@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import Qwen2ForSequenceClassification, Qwen2ForTokenClassification
 
-from a3po.arithmetic import WORDS
-from a3po.logprobs import position_ids_from_mask, token_logprobs
-from a3po.models import build_tiny_model
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.streaming import ChunkFeeder, IncrementalScorer, LogProbHead, RewardHead, ValueHead, start_scorers, stop_scorers
+from a3po.data.arithmetic import WORDS
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import position_ids_from_mask, token_logprobs
+from a3po.oppo.streaming import ChunkFeeder, IncrementalScorer, LogProbHead, RewardHead, ValueHead, start_scorers, stop_scorers
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

@@ -1,4 +1,4 @@
-"""Intra-op threads of the training update (:mod:`a3po.threads`): which runs give it every core,
+"""Intra-op threads of the training update (:mod:`a3po.training.threads`): which runs give it every core,
 the torch behaviour that rests on (a thread's count is its own; a new thread takes the count last
 set when it runs its first op), and that an update gives the same bits on more threads."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from a3po.config import preset, with_overrides
-from a3po.threads import intra_op_threads, producer_and_trainer_alternate, update_threads, usable_cores
+from a3po.training.threads import intra_op_threads, producer_and_trainer_alternate, update_threads, usable_cores
 
 
 def _cfg(variant: str, **sections):
@@ -78,14 +78,14 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     """Giving sync's updates every core must not change a run: one train_step of the tiny
     architecture (random weights) on one rollout, with 1 and with ``threads`` intra-op threads,
     compared bit for bit (weights after the update and every metric but timings)."""
-    from a3po.arithmetic import WORDS
+    from a3po.algorithms.optimizers import adamw
+    from a3po.algorithms.proximal import PROXIMAL_METHODS
     from a3po.config import RLConfig
-    from a3po.controller import ScoredBatch, clone_state
-    from a3po.models import build_tiny_model
-    from a3po.optimizers import adamw
-    from a3po.proximal import PROXIMAL_METHODS
-    from a3po.rollout import RolloutEngine, SamplingParams
-    from a3po.trainer import train_step
+    from a3po.data.arithmetic import WORDS
+    from a3po.models.factory import build_tiny_model
+    from a3po.producer.producer import ScoredBatch, clone_state
+    from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+    from a3po.training.loop import train_step
 
     model, tok = build_tiny_model("tiny", WORDS, seed=0)
     prompts = [tok(f"{a} {b}", add_special_tokens=False)["input_ids"] for a in WORDS[:8] for b in WORDS[:4]]

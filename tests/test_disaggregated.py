@@ -1,4 +1,4 @@
-"""Rollout workers in processes of their own (``distributed.rollout_workers``, a3po/disaggregated.py).
+"""Rollout workers in processes of their own (``distributed.rollout_workers``, a3po/placement/rollout_workers.py).
 
 Every run here is the real command, ``python -m a3po.cli train``: one plain process (today's
 rollout thread), or ``torchrun --nproc_per_node 2`` with ``rollout_workers: 1`` (rank 0 trains,
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runs import kill_rank_after_first_checkpoint, run_to_json
-from cli_runs import final_weights as _final_weights
-from cli_runs import step_metrics as _metrics
 import torch
 
-from a3po.disaggregated import pack_state, state_layout, unpack_state
+from a3po.placement.rollout_workers import pack_state, state_layout, unpack_state
+from tests.support.cli_runs import final_weights as _final_weights
+from tests.support.cli_runs import kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import step_metrics as _metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -176,7 +176,7 @@ def test_rollout_worker_config_errors_name_the_field(tmp_path):
 
 
 def test_ranks_split_the_launch_into_trainer_ranks_then_workers():
-    from a3po.distributed import ranks_from_env
+    from a3po.parallel.ranks import ranks_from_env
 
     trainer = ranks_from_env({"RANK": "0", "WORLD_SIZE": "3"}, rollout_workers=2)
     worker = ranks_from_env({"RANK": "2", "WORLD_SIZE": "3"}, rollout_workers=2)

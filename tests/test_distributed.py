@@ -1,4 +1,4 @@
-"""Data-parallel trainer ranks under DeepSpeed (``a3po/distributed.py``), on CPU with gloo.
+"""Data-parallel trainer ranks under DeepSpeed (``a3po/parallel/ranks.py``), on CPU with gloo.
 
 Every run here is the real command, ``python -m a3po.cli train``, one plain process or two
 ranks under torchrun with ``DS_ACCELERATOR=cpu``, on the micro model with a longer warm start
@@ -39,11 +39,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runs import kill_rank_after_first_checkpoint, run_to_json
-from cli_runs import final_weights as _final_weights
-from cli_runs import step_metrics as _metrics
 
-from a3po.distributed import deepspeed_available
+from a3po.parallel.ranks import deepspeed_available
+from tests.support.cli_runs import final_weights as _final_weights
+from tests.support.cli_runs import kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import step_metrics as _metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
@@ -174,7 +174,7 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage
     """SIGKILL of rank 1 once a checkpoint exists; the rerun ends equal to the uninterrupted run."""
     import torch
 
-    from a3po.checkpoint import latest_checkpoint, load_checkpoint
+    from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
 
     tmp, out = runs["tmp"], runs["tmp"] / f"killed-zero{zero_stage}"
     config = _config(tmp, zero_stage)
@@ -255,7 +255,7 @@ def test_bad_deepspeed_json_fails_at_config_time_naming_the_file(tmp_path, conte
 @needs_deepspeed
 def test_shipped_deepspeed_configs_are_accepted():
     from a3po.config import config_from_dict
-    from a3po.distributed import read_deepspeed_json, zero_stage
+    from a3po.parallel.ranks import read_deepspeed_json, zero_stage
 
     for stage in (1, 2, 3):
         path = REPO_ROOT / f"infra/deepspeed_zero{stage}.json"
@@ -264,7 +264,7 @@ def test_shipped_deepspeed_configs_are_accepted():
 
 
 def test_ranks_from_env_reads_the_launcher_variables():
-    from a3po.distributed import ranks_from_env
+    from a3po.parallel.ranks import ranks_from_env
 
     assert ranks_from_env({}).world_size == 1 and ranks_from_env({}).is_main
     r = ranks_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
@@ -274,7 +274,7 @@ def test_ranks_from_env_reads_the_launcher_variables():
 
 
 def test_several_ranks_without_a_deepspeed_config_are_refused(monkeypatch):
-    from a3po.distributed import init_ranks
+    from a3po.parallel.ranks import init_ranks
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -17,9 +17,9 @@ from pathlib import Path
 import lm_eval  # noqa: F401  (a hard dependency: a broken install fails here, it is not skipped)
 import pytest
 
+from a3po.grading import score
 from eval import lm_eval_bridge
 from eval.data import fixture_path
-from a3po.grading import score
 from eval.synthetic import wrong_answer
 
 

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from a3po.arithmetic import WORDS
-from a3po.tokenizer import build_tokenizer
+from a3po.data.arithmetic import WORDS
+from a3po.models.tokenizer import build_tokenizer
 from eval.prompts import DEFAULT_INSTRUCTION, PromptConfig, render
 
 CHAT = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"

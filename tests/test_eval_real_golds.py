@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.data import BENCHMARKS, fixture_path, load_benchmark
 from a3po.grading import grade
+from eval.data import BENCHMARKS, fixture_path, load_benchmark
 from eval.synthetic import STYLES, natural_completion, wrong_answer
 
 EXPECTED_SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30}

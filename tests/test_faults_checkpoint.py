@@ -1,5 +1,5 @@
 """Faults at resume, on the micro preset through the library entry point
-(``a3po.pipeline.train_variant``) and the real CLI (``python -m a3po.cli train``):
+(``a3po.training.run.train_variant``) and the real CLI (``python -m a3po.cli train``):
 
 - a crafted pickle in place of a checkpoint file never runs (its marker file never appears);
 - flipped bytes, a truncated file, a missing manifest are named and the run falls back to the
@@ -28,12 +28,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a3po.checkpoint import CheckpointError, NoIntactCheckpoint, load_checkpoint, save_checkpoint
 from a3po.cli import main as cli_main
 from a3po.config import preset, with_overrides
-from a3po.metrics import JsonlLogger, read_metrics_jsonl
-from a3po.pipeline import prepare_warmstart, train_variant
-from a3po.runlock import LOCK_NAME
+from a3po.storage.checkpoint import CheckpointError, NoIntactCheckpoint, load_checkpoint, save_checkpoint
+from a3po.storage.runlock import LOCK_NAME
+from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
+from a3po.training.run import prepare_warmstart, train_variant
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -64,7 +64,7 @@ def _without_timing(rows: list[dict]) -> list[dict]:
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
-    """Every file of the run folder but the run lock's record (a3po.runlock), which a refused
+    """Every file of the run folder but the run lock's record (a3po.storage.runlock), which a refused
     run may create: what must stay untouched is the run's data."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
@@ -149,7 +149,7 @@ def test_truncated_file_is_named_and_falls_back(run_copy, caplog):
     ws, ref, ref_result, run = run_copy
     victim = run / "checkpoints" / "step_000006" / "optimizer.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with caplog.at_level("WARNING", logger="a3po.checkpoint"):
+    with caplog.at_level("WARNING", logger="a3po.storage.checkpoint"):
         result = _train(run, ws)
     assert result.resumed_from == 4
     (msg,) = result.checkpoints_skipped
@@ -341,7 +341,7 @@ def test_jsonl_logger_leaves_no_half_line_when_the_disk_fills(tmp_path):
     path, cap = tmp_path / "metrics.jsonl", 1000
     code = textwrap.dedent(f"""
         import resource, signal
-        from a3po.metrics import JsonlLogger
+        from a3po.training.metrics import JsonlLogger
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap}))
         lg = JsonlLogger({str(path)!r})

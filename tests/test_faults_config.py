@@ -21,10 +21,10 @@ from typing import Literal
 import pytest
 
 from a3po import config as config_mod
-from a3po.arithmetic import WORDS
 from a3po.config import ConfigError, DataConfig, load_config, merge_yaml, preset, with_overrides
-from a3po.data import BadRowError, load_rows, read_jsonl
-from a3po.tokenizer import build_tokenizer
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import BadRowError, load_rows, read_jsonl
+from a3po.models.tokenizer import build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_the_reported_lr_abc_names_file_and_field(tmp_path):
 
 
 def test_int_field_refuses_fractions_and_bools_and_takes_integral_floats(tmp_path):
-    with pytest.raises(ConfigError, match=rf"^.*a\.yaml: rl\.steps: expected an integer, got 2\.5 \(float\)$"):
+    with pytest.raises(ConfigError, match=r"^.*a\.yaml: rl\.steps: expected an integer, got 2\.5 \(float\)$"):
         load_config(_yaml(tmp_path, "rl: {steps: 2.5}\n", "a.yaml"))
     with pytest.raises(ConfigError, match=r"b\.yaml: rl\.batch_prompts: expected an integer, got True \(bool\)$"):
         load_config(_yaml(tmp_path, "rl: {batch_prompts: true}\n", "b.yaml"))

@@ -8,10 +8,9 @@ them and every extracted answer goes to math-verify (see ``a3po.grading``).
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from a3po.arithmetic import WORDS
-from a3po.config import preset, with_overrides
-from a3po.data import load_rows
-from a3po.metrics import JsonlLogger
-from a3po.models import build_tiny_model
-from a3po.rewards import score_completions
-from a3po.trainer import rl_train
 from a3po import grading
+from a3po.config import preset, with_overrides
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import load_rows
 from a3po.grading import GraderUnavailable, GradingConfig
+from a3po.grading.rewards import score_completions
+from a3po.models.factory import build_tiny_model
+from a3po.training.loop import rl_train
+from a3po.training.metrics import JsonlLogger
 
 REPO = Path(__file__).resolve().parents[1]
 FRACTIONS = ["3/4", "1/2", "2/3", "5/4"]

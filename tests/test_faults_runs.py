@@ -1,7 +1,7 @@
 """Faults around a run: two writers on one run folder, a tracking server that goes away
 mid-training, a flow that fails. Real processes, a real MLflow server, real Prefect runs.
 
-1. The run-folder lock (``a3po.runlock``): a second writer is refused naming the holder; a
+1. The run-folder lock (``a3po.storage.runlock``): a second writer is refused naming the holder; a
    holder killed with SIGKILL frees the folder and the next run takes it over, saying so.
 2. ``kill_stale_runs`` marks KILLED only the RUNNING runs whose folder nobody holds.
 3. ``a3po train`` twice on one folder: refused, then taken over after the first exits
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import pytest
 
-from a3po.runlock import LOCK_NAME, RunFolderBusy, acquire, hold_run_folder, in_use_by_another, read_holder
+from a3po.storage.runlock import LOCK_NAME, RunFolderBusy, acquire, hold_run_folder, in_use_by_another, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
-HOLDER = "import sys, time; from a3po.runlock import acquire; acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+HOLDER = "import sys, time; from a3po.storage.runlock import acquire; acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 
 
 def _hold_in_subprocess(folder: Path) -> subprocess.Popen:

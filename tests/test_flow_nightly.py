@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS, SequenceLevel, grpo_advantages
-from a3po.arithmetic import ITEMS, NAMES, PRONOUN, PROMPT_FORMAT, TEMPLATES
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, SequenceLevel, grpo_advantages
+from a3po.data.arithmetic import ITEMS, NAMES, PROMPT_FORMAT, PRONOUN, TEMPLATES
 
 PLANTED = "planted_negated"
 if PLANTED not in ADVANTAGE_ESTIMATORS:

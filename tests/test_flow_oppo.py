@@ -1,4 +1,4 @@
-"""OPPO as an axis of the comparison flow (a3po.arms; issue 11 item 4), through a real Prefect
+"""OPPO as an axis of the comparison flow (tasks.arms; issue 11 item 4), through a real Prefect
 run and a real MLflow store (SQLite in tmp_path), micro preset on the PPO path.
 
 1. Arms: names, modes and refusals (pure, no flow).
@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from a3po.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm
 from a3po.config import ConfigError, preset, with_overrides
-from a3po.metrics import valid_metric_key
+from a3po.training.metrics import valid_metric_key
+
 # Prefect sets up its console log handler on import: here, not under a test's captured stderr
 # (capsys closes that stream, and the flow test would log into it).
 from flows.compare_variants import compare_variants, parse_sets, variant_config
+from tasks.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
 

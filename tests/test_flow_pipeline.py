@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from cli_runs import without_timing  # timing metrics: the only ones allowed to differ
+from tests.support.cli_runs import without_timing  # timing metrics: the only ones allowed to differ
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "eval" / "fixtures"
@@ -37,8 +37,8 @@ def _search(uri: str, experiment: str):
 def test_compare_flow_end_to_end(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from eval.data import BENCHMARKS
     from a3po.grading import score
+    from eval.data import BENCHMARKS
     from flows.compare_variants import compare_variants
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -78,7 +78,7 @@ def test_comparison_target_and_speedups():
     assert m["speedup/loglinear_vs_recompute/step_time"] == pytest.approx(2.0)
     assert m["delta/loglinear_vs_recompute/final_acc"] == pytest.approx(0.1)
     assert m["delta/loglinear_vs_recompute/final_reward"] == pytest.approx(0.0)
-    from a3po.metrics import valid_metric_key
+    from a3po.training.metrics import valid_metric_key
 
     assert all(valid_metric_key(k) for k in m)
 

@@ -16,17 +16,17 @@ import socket
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
+from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import RLConfig, Variant, preset, proximal_method_name, with_overrides
-from a3po.controller import clone_state
-from a3po.data import load_rows
+from a3po.data.arithmetic import WORDS
+from a3po.data.datasets import load_rows
 from a3po.devices import sampling_generator
-from a3po.logprobs import token_logprobs
-from a3po.models import build_tiny_model
-from a3po.pipeline import build_model
-from a3po.proximal import PROXIMAL_METHODS
-from a3po.rollout import RolloutEngine, SamplingParams
-from a3po.trainer import rl_train, train_step
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import token_logprobs
+from a3po.producer.producer import clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.loop import rl_train, train_step
+from a3po.training.run import build_model
 from bench.prox_logp import make_scored_batch
 
 pytestmark = [

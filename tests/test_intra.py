@@ -1,9 +1,9 @@
-"""OPPO intra-step overlap wired into the PPO path (a3po.intra): the producer's scorer threads
+"""OPPO intra-step overlap wired into the PPO path (a3po.oppo.intra): the producer's scorer threads
 stream the reference log-probs, critic values and reward-model scores while decoding, and
 train_step uses them instead of running those models again.
 
-Expected figures come from the trainer's own one-shot functions (a3po.ppo.token_values,
-a3po.logprobs.token_logprobs, a3po.ppo.reward_model_scores: full forwards of transformers
+Expected figures come from the trainer's own one-shot functions (a3po.training.ppo_parts.token_values,
+a3po.models.logprobs.token_logprobs, a3po.training.ppo_parts.reward_model_scores: full forwards of transformers
 models), and from a run with intra off. Cached vs full attention round differently (~1e-7 in
 fp32): tensors are compared to 1e-5, a run's per-step metrics to rel 1e-4 / abs 1e-5 (the
 rounding goes through ~4 optimizer steps of two models)."""
@@ -15,14 +15,14 @@ import math
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS
 from a3po.config import ConfigError, OppoConfig, preset, with_overrides
-from a3po.intra import IntraScoring
-from a3po.logprobs import token_logprobs
-from a3po.models import build_tiny_model
-from a3po.ppo import reward_model_scores, token_values
-from a3po.rollout import RolloutEngine, SamplingParams
-from ppo_parts import micro_ppo_parts
+from a3po.data.arithmetic import WORDS
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import token_logprobs
+from a3po.oppo.intra import IntraScoring
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.ppo_parts import reward_model_scores, token_values
+from tests.support.ppo_parts import micro_ppo_parts
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -61,20 +61,20 @@ def test_streamed_tensors_equal_the_trainers_one_shot_functions():
 
 @pytest.fixture(scope="module")
 def micro_warmstart(tmp_path_factory):
-    from a3po.pipeline import prepare_warmstart
+    from a3po.training.run import prepare_warmstart
 
     return prepare_warmstart(preset("micro"), tmp_path_factory.mktemp("cache"), log=lambda s: None)
 
 
 class _ForwardCounts:
-    """Wraps a3po.trainer.build_ppo_parts: forward hooks count the full (top-level) forwards of
+    """Wraps a3po.training.loop.build_ppo_parts: forward hooks count the full (top-level) forwards of
     the reference and the critic, which only train_step runs (the scorers run ``base_model``)."""
 
     def __init__(self, monkeypatch):
-        import a3po.trainer
+        import a3po.training.loop
 
         self.counts = {"reference": 0, "critic": 0, "scorer_reference": 0}
-        real = a3po.trainer.build_ppo_parts
+        real = a3po.training.loop.build_ppo_parts
 
         def build(*args, **kwargs):
             parts = real(*args, **kwargs)
@@ -83,16 +83,16 @@ class _ForwardCounts:
             parts.critic.register_forward_hook(lambda *a: self._add("critic"))
             return parts
 
-        monkeypatch.setattr(a3po.trainer, "build_ppo_parts", build)
+        monkeypatch.setattr(a3po.training.loop, "build_ppo_parts", build)
 
     def _add(self, key):
         self.counts[key] += 1
 
 
 def _run(cfg, ws_dir):
-    from a3po.data import load_rows
-    from a3po.models import load_pretrained
-    from a3po.trainer import rl_train
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.training.loop import rl_train
 
     model, tok = load_pretrained(ws_dir)
     train, held, _ = load_rows(cfg.data, tok)
@@ -164,9 +164,9 @@ def test_resumed_intra_run_equals_uninterrupted_run(core_stub_rewards, micro_war
     and needs critic version 3 from the checkpoint (intra_critic_history); a run crashed after
     step 4 and resumed gives the same per-step figures as one uninterrupted run. The chunk size is
     pinned: chunks of another size round differently (~1e-7), and the tuner's pick depends on timing."""
-    from a3po.data import load_rows
-    from a3po.models import load_pretrained
-    from a3po.trainer import rl_train
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.training.loop import rl_train
 
     cfg = with_overrides(preset("micro"), rl={"advantage": "gae", "variant": "loglinear", "steps": 6, "checkpoint_every": 2,
                                               "eval_every": 6}, ppo=PPO_MICRO["ppo"], oppo={"intra": True, "chunk_min": 4, "chunk_max": 4})

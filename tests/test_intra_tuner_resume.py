@@ -1,4 +1,4 @@
-"""The chunk tuner of OPPO's intra-step overlap (a3po.chunk_tuner) is checkpointed: a resumed run
+"""The chunk tuner of OPPO's intra-step overlap (a3po.oppo.chunk_tuner) is checkpointed: a resumed run
 continues its schedule (probe or exploit, the candidates' costs, steps since the probe) instead
 of probing again from the start.
 
@@ -40,15 +40,15 @@ class _Crash(Exception):
 
 @pytest.fixture(scope="module")
 def micro_warmstart(tmp_path_factory):
-    from a3po.pipeline import prepare_warmstart
+    from a3po.training.run import prepare_warmstart
 
     return prepare_warmstart(preset("micro"), tmp_path_factory.mktemp("cache"), log=lambda s: None)
 
 
 def _run(ws_dir: str, ckpt_dir: Path, crash_after: int | None = None):
-    from a3po.data import load_rows
-    from a3po.models import load_pretrained
-    from a3po.trainer import rl_train
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.training.loop import rl_train
 
     def progress(step, metrics):
         if step == crash_after:
@@ -60,7 +60,7 @@ def _run(ws_dir: str, ckpt_dir: Path, crash_after: int | None = None):
 
 
 def _tuner_state(ckpt_dir: Path, step: int) -> dict:
-    from a3po.checkpoint import load_checkpoint
+    from a3po.storage.checkpoint import load_checkpoint
 
     return load_checkpoint(ckpt_dir / f"step_{step:06d}")["intra_state"]["chunk_tuner"]
 

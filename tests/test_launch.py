@@ -1,5 +1,5 @@
-"""Launching ranks (a3po.launch, tasks.launch): real torchrun processes running a real
-torch.distributed program (``a3po.launch_probe``: gloo all-reduce of the ranks, a checkpointed
+"""Launching ranks (infra.launch, tasks.launch): real torchrun processes running a real
+torch.distributed program (``tests.support.launch_probe``: gloo all-reduce of the ranks, a checkpointed
 counter, a crash on request), through the Prefect task inside real flows.
 
 1. A 2-process torchrun launch through ``launch_ranks`` in a flow: every rank's lines reach the
@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from a3po.launch import LaunchMode, LaunchSpec, RankFailure, launch, launch_spec, launcher_commands, read_hostfile
-from cli_runs import descendants, flow_logs, without_timing
+from infra.launch import LaunchMode, LaunchSpec, RankFailure, launch, launch_spec, launcher_commands, read_hostfile
+from tests.support.cli_runs import descendants, flow_logs, without_timing
 
-PROBE = ["-m", "a3po.launch_probe"]
+PROBE = ["-m", "tests.support.launch_probe"]
 
 
 def _probe_pids(lines: list[str]) -> set[int]:
@@ -35,7 +35,7 @@ def _running(pid: int) -> bool:
     """``pid`` is alive and still a probe (not a reused pid)."""
     try:
         p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE and "a3po.launch_probe" in " ".join(p.cmdline())
+        return p.status() != psutil.STATUS_ZOMBIE and "tests.support.launch_probe" in " ".join(p.cmdline())
     except psutil.Error:
         return False
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from a3po.distributed import deepspeed_available
-from a3po.launch import LaunchSpec, launch_spec
-from cli_runs import descendants, flow_logs, without_timing
+from a3po.parallel.ranks import deepspeed_available
+from infra.launch import LaunchSpec, launch_spec
+from tests.support.cli_runs import descendants, flow_logs, without_timing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = "infra/deepspeed_zero2.json"
@@ -175,8 +175,8 @@ def test_sigkilled_rank_fails_the_flow_naming_it_and_the_rerun_resumes_to_the_un
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from a3po.launch import RankFailure
     from flows.compare_variants import compare_variants
+    from infra.launch import RankFailure
 
     steps = 10  # micro: a checkpoint every 2 steps
     common = _common(tmp_path, "killed", steps=steps)

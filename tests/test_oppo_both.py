@@ -1,9 +1,9 @@
-"""OPPO intra + inter together (a3po.overcommit with a3po.intra): a sequence carried over to a
+"""OPPO intra + inter together (a3po.oppo.overcommit with a3po.oppo.intra): a sequence carried over to a
 later step is scored again from its prompt + partial answer when it resumes (the scorers prefill
 it as the engine does), and its figures are kept with it in the carry-over buffer once it is done.
 
-Expected figures come from the trainer's one-shot functions (a3po.logprobs.token_logprobs,
-a3po.ppo.token_values, a3po.ppo.reward_model_scores: full forwards of transformers models) over
+Expected figures come from the trainer's one-shot functions (a3po.models.logprobs.token_logprobs,
+a3po.training.ppo_parts.token_values, a3po.training.ppo_parts.reward_model_scores: full forwards of transformers models) over
 the batch the trainer gets; cached vs full attention round differently (~1e-7 in fp32), so 1e-5."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS, generate_split
 from a3po.config import OppoConfig, preset, with_overrides
-from a3po.controller import Admission, PromptSampler, WeightStore, clone_state
-from a3po.intra import IntraScoring
-from a3po.logprobs import token_logprobs
-from a3po.models import build_tiny_model
-from a3po.overcommit import DeltaController, OverlapProducer
-from a3po.ppo import build_critic, reward_model_scores, token_values
-from a3po.rollout import RolloutEngine, SamplingParams
-from ppo_parts import micro_ppo_parts
+from a3po.data.arithmetic import WORDS, generate_split
+from a3po.models.factory import build_tiny_model
+from a3po.models.logprobs import token_logprobs
+from a3po.oppo.intra import IntraScoring
+from a3po.oppo.overcommit import DeltaController, OverlapProducer
+from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.training.ppo_parts import build_critic, reward_model_scores, token_values
+from tests.support.ppo_parts import micro_ppo_parts
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -100,7 +100,7 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
     (those after the resume too: the done samples' figures come back from the JSON state) carries
     streamed figures equal to one-shot scoring with the critic of the version its last part was
     decoded on."""
-    from a3po.checkpoint import load_checkpoint, save_checkpoint
+    from a3po.storage.checkpoint import load_checkpoint, save_checkpoint
 
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
     parts = micro_ppo_parts(policy, tok)
@@ -206,8 +206,8 @@ PPO_BOTH = {"rl": {"advantage": "gae", "variant": "loglinear", "max_staleness": 
 
 
 def _run(ckpt_dir=None, progress=None):
-    from a3po.data import load_rows
-    from a3po.trainer import rl_train
+    from a3po.data.datasets import load_rows
+    from a3po.training.loop import rl_train
 
     cfg = with_overrides(preset("micro"), **PPO_BOTH)
     model, tok = build_tiny_model("micro", WORDS, seed=0)
@@ -218,10 +218,10 @@ def _run(ckpt_dir=None, progress=None):
 def test_ppo_run_with_both_trains_on_streamed_figures_of_carried_answers(core_stub_rewards, monkeypatch):
     """train_step never runs the reference (the scorers did, chunk by chunk, carried answers
     included) and runs the critic only for its value updates."""
-    import a3po.trainer
+    import a3po.training.loop
 
     counts = {"reference": 0, "critic": 0}
-    real = a3po.trainer.build_ppo_parts
+    real = a3po.training.loop.build_ppo_parts
 
     def build(*args, **kwargs):
         parts = real(*args, **kwargs)
@@ -229,7 +229,7 @@ def test_ppo_run_with_both_trains_on_streamed_figures_of_carried_answers(core_st
         parts.critic.register_forward_hook(lambda *a: counts.__setitem__("critic", counts["critic"] + 1))
         return parts
 
-    monkeypatch.setattr(a3po.trainer, "build_ppo_parts", build)
+    monkeypatch.setattr(a3po.training.loop, "build_ppo_parts", build)
     res = _run()
     steps, minibatches = PPO_BOTH["rl"]["steps"], preset("micro").rl.minibatches
     assert counts == {"reference": 0, "critic": steps * minibatches}

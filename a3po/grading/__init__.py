@@ -40,9 +40,9 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Callable, Iterator, Literal
 
-from a3po.registry import Registry
 from a3po.grading.answers import extract_answer, hash_answer, plain_number
 from a3po.grading.verifier import GraderUnavailable  # noqa: F401 - callers catch it from here
+from a3po.registry import Registry
 
 Method = Literal["boxed", "hash", "answer_is", "last_number", "none"]
 GradePath = Literal["fast", "math_verify", "skipped"]

@@ -1,0 +1,1 @@
+"""Tasks and data: the embedded arithmetic task, dataset loading and prompt formatting."""

@@ -1,0 +1,2 @@
+"""Models and their forward passes: the model factory, tokenizer, log-probabilities and the
+fast incremental decoders."""

@@ -1,0 +1,1 @@
+"""Data-parallel trainer ranks: process groups, rank plumbing and the DeepSpeed updater."""

@@ -1,0 +1,305 @@
+"""Rollout workers in processes of their own (``distributed.rollout_workers: N``).
+
+The launch is one trainer rank (global rank 0) followed by N rollout workers (ranks 1..N), e.g.
+``torchrun --nproc_per_node 2`` with ``rollout_workers: 1``. Worker ``k`` generates batches
+``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.placements.local_producer`:
+same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward function), so
+under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
+single-process run, bit for bit.
+
+Two gloo groups over {trainer, workers}, each used by one thread per process:
+
+* **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
+  layout, the versions that follow at once: the checkpoint's history on resume), then every
+  version the trainer publishes, in order: an int64 header ``[version]`` and the state dict as one
+  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. Rollout workers come
+  with one plain trainer rank (no DeepSpeed), so its weights are whole.
+* **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
+  columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
+  log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,
+  grader counters, generation time). Index ``-1`` carries a worker's error text instead.
+
+The staleness bound holds across processes: a worker admits batch ``j`` only once *it* has
+received version ``j - max_staleness`` (:class:`a3po.producer.producer.Admission` on its own store),
+and what it has received is never newer than what the trainer has published. Tensors travel
+through host memory (gloo), on GPUs too: one transport, and exact.
+
+A worker that dies (SIGKILL, OOM) breaks the trainer's receive: the run fails naming the
+worker's rank, and the launcher stops the other processes; rerunning the command resumes from
+the newest checkpoint (the hello tells the workers where to restart and with which versions).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from a3po.config import effective_max_staleness
+from a3po.devices import model_device
+from a3po.parallel.ranks import Ranks
+from a3po.placement.placements import RolloutInputs, local_producer
+from a3po.producer.producer import ProducerFailed, ScoredBatch, WeightStore
+from a3po.rollout.torch_engine import RolloutBatch
+
+TRAINER = 0  # global rank of the trainer
+STOP = -1  # weight header: the run is over; batch header index: an error text follows
+
+Layout = list[list[Any]]  # [[name, dtype, shape], ...] in state-dict order
+
+
+def rollout_groups(ranks: Ranks) -> tuple[Any, Any]:
+    """(weights group, samples group) over the trainer and the workers; every process of the
+    launch calls this, in the same order (``new_group`` is collective)."""
+    members = [TRAINER, *range(ranks.world_size, ranks.launch_size)]
+    return dist.new_group(members, backend="gloo"), dist.new_group(members, backend="gloo")
+
+
+# --- weights: one byte buffer per version --------------------------------------------------------
+
+
+def state_layout(state: dict[str, torch.Tensor]) -> Layout:
+    return [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in state.items()]
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size() * int(torch.Size(shape).numel())
+
+
+def pack_state(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The state dict's bytes, concatenated in order (CPU uint8)."""
+    return torch.cat([v.detach().reshape(-1).cpu().view(torch.uint8) for v in state.values()])
+
+
+def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, dtype, shape in layout:
+        n = _nbytes(dtype, shape)
+        # clone: a fresh, aligned storage per tensor before reinterpreting its bytes
+        out[name] = buf[at : at + n].clone().view(getattr(torch, dtype)).reshape(shape).to(device)
+        at += n
+    return out
+
+
+def _broadcast_json(obj: Any, group: Any) -> Any:
+    """The trainer's ``obj`` on every member (JSON text: nothing received can run code)."""
+    is_src = dist.get_rank() == TRAINER
+    data = json.dumps(obj).encode() if is_src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=TRAINER, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=TRAINER, group=group)
+    return json.loads(bytes(buf.numpy()))
+
+
+def _push_version(version: int, state: dict[str, torch.Tensor], group: Any) -> None:
+    dist.broadcast(torch.tensor([version], dtype=torch.int64), src=TRAINER, group=group)
+    dist.broadcast(pack_state(state), src=TRAINER, group=group)
+
+
+def _receive_version(layout: Layout, device: torch.device, group: Any) -> tuple[int, dict[str, torch.Tensor] | None]:
+    header = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(header, src=TRAINER, group=group)
+    version = int(header)
+    if version == STOP:
+        return version, None
+    buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
+    dist.broadcast(buf, src=TRAINER, group=group)
+    return version, unpack_state(buf, layout, device)
+
+
+# --- samples: worker -> trainer ------------------------------------------------------------------
+
+
+def _text_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+
+
+def send_batch(sb: ScoredBatch, group: Any) -> None:
+    b = sb.rollout
+    rows, cols = b.input_ids.shape
+    info = json.dumps({"meta": b.meta, "completions": sb.completions, "gen_time_s": sb.gen_time_s, "grader": sb.grader})
+    blob = _text_tensor(info)
+    header = torch.tensor([sb.index, rows, cols, b.prompt_len, len(blob)], dtype=torch.int64)
+    for t in (header, b.input_ids, b.attention_mask, b.response_mask.to(torch.uint8), b.behav_logp, b.versions,
+              b.finished.to(torch.uint8), sb.rewards, blob):
+        dist.send(t.detach().contiguous().cpu(), dst=TRAINER, group=group)
+
+
+def send_failure(text: str, group: Any) -> None:
+    blob = _text_tensor(text)
+    dist.send(torch.tensor([STOP, 0, 0, 0, len(blob)], dtype=torch.int64), dst=TRAINER, group=group)
+    dist.send(blob, dst=TRAINER, group=group)
+
+
+def receive_batch(src: int, group: Any, device: torch.device) -> ScoredBatch | str:
+    """The next batch from worker ``src``, on ``device``; or the worker's error text."""
+    header = torch.empty(5, dtype=torch.int64)
+    dist.recv(header, src=src, group=group)
+    index, rows, cols, prompt_len, nbytes = header.tolist()
+
+    def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, src=src, group=group)
+        return t.to(device)
+
+    if index == STOP:
+        return bytes(recv((nbytes,), torch.uint8).cpu().numpy()).decode()
+    grid = (rows, cols)
+    input_ids, attention_mask = recv(grid, torch.int64), recv(grid, torch.int64)
+    response_mask, behav_logp, versions = recv(grid, torch.uint8).bool(), recv(grid, torch.float32), recv(grid, torch.int64)
+    finished, rewards = recv((rows,), torch.uint8).bool(), recv((rows,), torch.float32)
+    info = json.loads(bytes(recv((nbytes,), torch.uint8).cpu().numpy()))
+    rollout = RolloutBatch(input_ids, attention_mask, response_mask, behav_logp, versions, finished, prompt_len, info["meta"])
+    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"])
+
+
+# --- the trainer's side --------------------------------------------------------------------------
+
+
+class RemoteRollouts:
+    """The trainer's producer when rollout workers generate: the interface of
+    :class:`a3po.producer.producer.RolloutProducer` (``start``, ``next_batch``, ``stop``, ``join``, ``close``).
+    A pusher thread broadcasts every version published to ``store``; a receiver thread collects
+    batches ``start .. rl.steps - 1`` in order, batch ``j`` from worker ``j mod N``."""
+
+    def __init__(self, inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> None:
+        self.store, self.start_index, self.end = store, start, inp.cfg.rl.steps
+        self.workers = list(range(ranks.world_size, ranks.launch_size))
+        self.device = model_device(inp.policy)
+        self.weights_group, self.samples_group = rollout_groups(ranks)
+        self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
+        self._halt = threading.Event()
+        self._threads = [threading.Thread(target=self._push, name="weight-push", daemon=True),
+                         threading.Thread(target=self._receive, name="rollout-receive", daemon=True)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _push(self) -> None:
+        try:
+            versions = sorted(self.store.history(since=0))
+            layout = state_layout(self.store.get(versions[-1]))
+            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_group)
+            for v in versions:
+                _push_version(v, self.store.get(v), self.weights_group)
+            last = versions[-1]
+            while True:
+                with self.store.cond:
+                    while self.store.latest <= last and not self._halt.is_set():
+                        self.store.cond.wait(timeout=1.0)
+                    latest, halting = self.store.latest, self._halt.is_set()
+                for v in range(last + 1, latest + 1):
+                    _push_version(v, self.store.get(v), self.weights_group)
+                    last = v
+                if halting:
+                    break
+            dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=TRAINER, group=self.weights_group)
+        except BaseException as e:
+            if not self._halt.is_set():
+                self.out.put(ProducerFailed(f"sending weights to the rollout workers (ranks {self.workers}) failed: {e!r}; "
+                                            "a worker has probably died; rerun the command to resume from the newest checkpoint"))
+
+    def _receive(self) -> None:
+        for j in range(self.start_index, self.end):
+            src = self.workers[j % len(self.workers)]
+            try:
+                got = receive_batch(src, self.samples_group, self.device)
+            except BaseException as e:
+                if not self._halt.is_set():
+                    self.out.put(ProducerFailed(f"rollout worker rank {src} is gone (waiting for batch {j}: {e!r}); "
+                                                "the run stops; rerun the command to resume from the newest checkpoint"))
+                return
+            if isinstance(got, str):
+                self.out.put(ProducerFailed(f"rollout worker rank {src} failed:\n{got}"))
+                return
+            self.out.put(got)
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
+        try:
+            item = self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise ProducerFailed(f"no batch from the rollout workers (ranks {self.workers}) in {timeout:.0f} s") from None
+        if isinstance(item, ProducerFailed):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        """Send the versions still unsent, then the end of the run."""
+        self._halt.set()
+        with self.store.cond:
+            self.store.cond.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:  # the receiver is done unless a worker failed mid-run
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def is_alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def close(self) -> None:
+        """Nothing to release here: each worker closes its own engine."""
+
+
+# --- a worker's side -----------------------------------------------------------------------------
+
+
+def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
+    """Generate this worker's batches for the trainer until the run ends; returns how many it
+    sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
+    weights_group, samples_group = rollout_groups(ranks)
+    hello = _broadcast_json(None, weights_group)
+    layout = state_layout(inp.policy.state_dict())
+    if hello["layout"] != layout:
+        diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None]) if a != b)
+        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer's weights do not fit this worker's model "
+                           f"(trainer {diff[0]} vs worker {diff[1]}); both must load the same model")
+    device = model_device(inp.policy)
+    store = WeightStore(keep=effective_max_staleness(inp.cfg.rl) + 2)
+    for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
+        store.publish(*_receive_version(layout, device, weights_group))
+    k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
+    first = hello["start"] + (k - hello["start"]) % n
+    producer = local_producer(inp, store, first, stride=n, end=hello["end"])
+
+    def receive_weights() -> None:
+        try:
+            while True:
+                version, state = _receive_version(layout, device, weights_group)
+                if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
+                    producer.out.put(None)
+                    return
+                store.publish(version, state)
+        except BaseException as e:
+            producer.out.put(ProducerFailed(f"rollout worker rank {ranks.rank} lost the trainer (rank {TRAINER}) waiting for weights: {e!r}"))
+            store.close()
+
+    receiver = threading.Thread(target=receive_weights, name="weight-receive", daemon=True)
+    receiver.start()
+    producer.start()
+    sent = 0
+    try:
+        for _ in range(first, hello["end"], n):
+            batch = producer.next_batch(timeout=None)
+            if batch is None:  # the trainer ended the run early: its own error is the run's
+                break
+            send_batch(batch, samples_group)
+            sent += 1
+    except BaseException as e:
+        try:  # tell the trainer why, so its error names this worker and the cause
+            send_failure(f"{e}", samples_group)
+        except BaseException:
+            pass
+        producer.stop()
+        raise
+    receiver.join()  # every broadcast needs all members: take the trainer's versions until it stops
+    producer.stop()
+    producer.join(timeout=30)
+    return sent

@@ -1,0 +1,267 @@
+"""Asynchronous rollout/training controller: a producer thread generates rollouts while the
+trainer consumes them, with a bound on how stale a sample may be.
+
+* :class:`WeightStore` holds versioned policy weights. The trainer publishes version ``v+1``
+  after each update; the producer loads new versions, also between decode steps of a batch
+  already under way, so a sequence can mix tokens of two versions (each token records its own).
+* :class:`Admission` is the staleness bound: never more samples admitted than
+  ``(max_staleness + version + 1) * batch_size``. ``max_staleness = 0`` is synchronous RL.
+* Two schedules. ``threaded``: the producer free-runs (loads the newest weights whenever they
+  appear). ``deterministic``: the same threads, but batch ``j`` always starts on version
+  ``max(0, j - s)`` and switches to ``j - s + 1`` halfway through decoding, the point where the
+  trainer finishes its concurrent step in the steady state. Runs are then reproducible bit for
+  bit, and a run resumed from a checkpoint equals an uninterrupted one.
+* With ``mid_batch_updates=False`` (``rollout.weight_updates: batch``, the only mode of engines
+  such as vLLM that cannot swap weights inside a batch) weights change only between batches:
+  ``deterministic`` runs batch ``j`` on version ``max(0, j - s)`` from its first token to its
+  last (so from step ``s`` on every token is ``s`` versions stale, where the mid-batch switch
+  makes half of them ``s - 1``: another trajectory than the default), ``threaded`` loads the
+  newest version when a batch starts.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from a3po.data.prompts import PromptStyle
+from a3po.grading.rewards import grader_counts
+from a3po.rollout.engines import Engine
+from a3po.rollout.torch_engine import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from a3po.oppo.intra import IntraScoring
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """Seed of batch ``index``'s sampling (not ``hash()``: Python salts string hashes per process)."""
+    return (seed * 1_000_003 + index * 7919 + 17) % (2**31 - 1)
+
+
+class Stopped(Exception):
+    """The controller was shut down while a thread was waiting."""
+
+
+def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the weights on the model's own device and dtype."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class WeightStore:
+    """Versioned weights with a short history (the deterministic schedule and checkpoints
+    need the last ``keep`` versions, not only the newest)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = max(1, keep)
+        self.cond = threading.Condition()
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.latest = -1
+        self.closed = False
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self.cond:
+            self._weights[version] = state
+            self.latest = max(self.latest, version)
+            for v in [v for v in self._weights if v <= self.latest - self.keep]:
+                del self._weights[v]
+            self.cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool]) -> None:
+        with self.cond:
+            while not predicate():
+                if self.closed:
+                    raise Stopped()
+                self.cond.wait(timeout=1.0)
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        self.wait_until(lambda: self.latest >= version)
+        with self.cond:
+            if version not in self._weights:
+                raise KeyError(f"policy version {version} is no longer kept (have {sorted(self._weights)})")
+            return self._weights[version]
+
+    def history(self, since: int) -> dict[int, dict[str, torch.Tensor]]:
+        with self.cond:
+            return {v: s for v, s in self._weights.items() if v >= since}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Admission:
+    """Staleness bound by admission control, counted in samples."""
+
+    def __init__(self, store: WeightStore, max_staleness: int, batch_size: int, admitted: int = 0) -> None:
+        self.store, self.max_staleness, self.batch_size = store, max_staleness, batch_size
+        self.admitted = admitted
+
+    def capacity(self, version: int) -> int:
+        return (self.max_staleness + version + 1) * self.batch_size
+
+    def admit(self, n: int) -> None:
+        """Block until ``n`` more samples fit under the bound for the current version."""
+        self.store.wait_until(lambda: self.admitted + n <= self.capacity(self.store.latest))
+        self.admitted += n
+
+    def admit_batch(self, index: int, n: int) -> None:
+        """Batch ``index`` of ``n`` samples (batches all have ``n``): every batch before it counts
+        as admitted, whoever generated it (rollout workers each take every k-th batch)."""
+        self.admitted = index * n
+        self.admit(n)
+
+
+class PromptSampler:
+    """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts.
+    Prompts are formatted by ``style`` (chat template, instruction) before tokenising."""
+
+    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int, style: PromptStyle = PromptStyle()) -> None:
+        self.rows, self.batch_prompts, self.group_size, self.seed = rows, batch_prompts, group_size, seed
+        self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in rows]
+
+    def batch(self, j: int) -> tuple[list[list[int]], list[dict]]:
+        rng = random.Random(f"{self.seed}:prompts:{j}")
+        picks = rng.sample(range(len(self.rows)), min(self.batch_prompts, len(self.rows)))
+        prompts, meta = [], []
+        for g, i in enumerate(picks):
+            for _ in range(self.group_size):
+                prompts.append(self._ids[i])
+                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"], "group": j * self.batch_prompts + g})
+        return prompts, meta
+
+
+@dataclass
+class ScoredBatch:
+    index: int
+    rollout: RolloutBatch
+    rewards: torch.Tensor  # (N,)
+    completions: list[str]
+    gen_time_s: float
+    grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
+    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
+    producer_state: dict | None = None  # JSON state after producing this batch (OPPO carry-over), for checkpoints
+    intra_state: dict | None = None  # JSON state of OPPO intra's chunk tuner after this batch, for checkpoints
+    streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # scored while decoding (OPPO intra: ref_logp, values, scores)
+
+
+class ProducerFailed(RuntimeError):
+    pass
+
+
+class RolloutProducer(threading.Thread):
+    """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
+    under the admission bound. In a trainer process: every batch; in one of k rollout workers
+    (:mod:`a3po.placement.rollout_workers`): every k-th."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: WeightStore,
+        admission: Admission,
+        sampler: PromptSampler,
+        params: SamplingParams,
+        score: Callable[[list[str], list[dict]], list[float]],
+        decode: Callable[[list[int]], str],
+        max_staleness: int,
+        schedule: str,
+        seed: int,
+        start: int = 0,
+        stride: int = 1,
+        end: int | None = None,
+        mid_batch_updates: bool = True,
+        check: Callable[[RolloutBatch], dict[str, float]] | None = None,
+        intra: "IntraScoring | None" = None,
+    ) -> None:
+        super().__init__(name="rollout-producer", daemon=True)
+        self.intra = intra  # OPPO intra-step overlap: scorers fed chunk by chunk while decoding (a3po.oppo.intra)
+        if mid_batch_updates and not engine.mid_batch_updates:
+            raise ValueError(f"{type(engine).__name__} cannot swap weights inside a batch; use mid_batch_updates=False")
+        self.mid_batch_updates, self.check = mid_batch_updates, check
+        self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
+        self.params, self.score, self.decode = params, score, decode
+        self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
+        self.stride, self.end = stride, end
+        self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
+        self._halt = threading.Event()
+        # Decode on the builder's thread count, whatever the trainer thread sets later (a3po.training.threads).
+        self.threads = torch.get_num_threads()
+
+    def _load(self, version: int) -> None:
+        if version != self.engine.version:
+            self.engine.load_weights(self.store.get(version), version)
+
+    def _between_steps(self, j: int) -> Callable[[int], int | None]:
+        if self.schedule == "deterministic":
+            switch_to, switch_at = j - self.s + 1, self.params.max_new_tokens // 2
+
+            def hook(t: int) -> int | None:
+                # The trainer's concurrent step (on batch j - s) lands halfway through batch j.
+                if self.s >= 1 and switch_to >= 1 and t == switch_at:
+                    self._load(switch_to)
+                    return switch_to
+                return None
+        else:
+
+            def hook(t: int) -> int | None:
+                latest = self.store.latest
+                if latest > self.engine.version:
+                    self._load(latest)
+                    return latest
+                return None
+
+        return hook
+
+    def _produce_next(self, j: int) -> ScoredBatch:
+        prompts, meta = self.sampler.batch(j)
+        self.admission.admit_batch(j, len(prompts))
+        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        t0 = time.perf_counter()
+        hook = self._between_steps(j) if self.mid_batch_updates else None
+        stream = {"on_token": self.intra.begin(prompts, self.engine.version)} if self.intra is not None else {}
+        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
+        streamed, intra_metrics = self.intra.finish(rollout.input_ids) if self.intra is not None else ({}, {})
+        completions = [self.decode(r) for r in rollout.responses]
+        t1 = time.perf_counter()
+        if self.intra is not None:  # the chunk tuner's cost: producing time per generated token
+            n_gen = int(rollout.response_mask.sum())
+            self.intra.record(t1 - t0, n_gen, n_gen / len(rollout))
+        with grader_counts() as grader:
+            rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
+        t2 = time.perf_counter()
+        checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks, **intra_metrics},
+                           streamed=streamed, intra_state=self.intra.state_dict() if self.intra is not None else None)
+
+    def run(self) -> None:
+        torch.set_num_threads(self.threads)
+        try:
+            while not self._halt.is_set() and (self.end is None or self.next_index < self.end):
+                j = self.next_index
+                self.out.put(self._produce_next(j))
+                self.next_index = j + self.stride
+        except Stopped:
+            pass
+        except BaseException as e:  # surfaced in the trainer thread, with the traceback
+            self.out.put(ProducerFailed(f"rollout producer failed: {e!r}\n{traceback.format_exc()}"))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.store.close()
+
+    def close(self) -> None:
+        """Release the engine (after ``stop`` and ``join``; a vLLM engine holds a process and memory)."""
+        self.engine.close()
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
+        item = self.out.get(timeout=timeout)
+        if isinstance(item, ProducerFailed):
+            raise item
+        return item

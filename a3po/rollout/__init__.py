@@ -1,0 +1,2 @@
+"""Generation: the torch rollout engine, the engine protocol and registry, the vLLM engine and
+the engine-vs-trainer log-prob check."""

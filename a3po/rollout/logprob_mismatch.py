@@ -1,0 +1,50 @@
+"""How far an engine's behaviour log-probs are from the trainer's own forward of the same
+weights. The trainer treats ``behav_logp`` as exact (it is the denominator of the behaviour
+importance weight); an engine with its own kernels (vLLM) only matches it to a tolerance, and
+this is where that tolerance is measured during a run (``proximal: metrics``)."""
+
+from __future__ import annotations
+
+import torch
+
+from a3po.models.logprobs import token_logprobs
+from a3po.rollout.torch_engine import RolloutBatch
+
+
+def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Over the generated tokens (``mask``): mean and max ``|engine - trainer|`` of the log-probs,
+    and the mean ``|exp(engine - trainer) - 1|``, the error it puts into the behaviour weight."""
+    m = mask.bool()
+    if not bool(m.any()):
+        return {}
+    diff = (engine_logp.float() - trainer_logp.float())[m]
+    return {
+        "rollout/behav_logp_abs_err": diff.abs().mean().item(),
+        "rollout/behav_logp_abs_err_max": diff.abs().max().item(),
+        "rollout/behav_iw_err": (diff.exp() - 1.0).abs().mean().item(),
+    }
+
+
+class BehaviourCheck:
+    """Re-scores a rollout with a torch copy of the policy at each token's recorded version.
+
+    ``weights(version)`` returns that version's state dict (the controller's WeightStore.get).
+    Runs in the producer thread, one extra forward per version present in the batch."""
+
+    def __init__(self, policy: torch.nn.Module, weights, temperature: float) -> None:
+        from a3po.devices import model_device, model_dtype
+
+        with torch.device(model_device(policy)):
+            self.model = type(policy)(policy.config)
+        self.model.to(dtype=model_dtype(policy)).eval()
+        self.weights, self.temperature = weights, temperature
+
+    @torch.no_grad()
+    def __call__(self, batch: RolloutBatch) -> dict[str, float]:
+        trainer_logp = torch.zeros_like(batch.behav_logp)
+        for v in batch.versions[batch.response_mask].unique().tolist():
+            self.model.load_state_dict(self.weights(int(v)))
+            logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
+            here = batch.response_mask & (batch.versions == v)
+            trainer_logp = torch.where(here, logp, trainer_logp)
+        return behaviour_mismatch(batch.behav_logp, trainer_logp, batch.response_mask)

@@ -1,0 +1,236 @@
+"""Rollout engine in plain torch + transformers: batched sampling with a KV cache.
+
+Prompts are left-padded so every row decodes at the same column; finished rows keep
+decoding pad tokens that are masked out. Each generated token records the behaviour
+log-prob of the distribution it was actually sampled from (temperature and top-p applied)
+and the policy version of the weights that produced it. Between decode steps an optional
+``between_steps`` hook may swap the weights (asynchronous RL's weight push): later tokens
+then carry the new version, and the KV cache of earlier tokens is recomputed with the new
+weights (as AReaL's interruptible generation discards the stale cache), so a token's
+behaviour log-prob is exactly that of its recorded version given its prefix.
+
+The model runs through an incremental decoder (:mod:`a3po.models.decoders`): a fast one for Qwen2 /
+Llama-style models (KV cache preallocated at full width, a few tensor ops per layer and step, a
+GRPO group's shared prompt prefilled once) or the model's own forward with a DynamicCache.
+
+Everything stays on the model's device (the returned batch too); the sampling generator must
+live there as well (see :mod:`a3po.devices`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from a3po.devices import model_device, sampling_generator
+from a3po.models.decoders import decoder_for, forget_fused
+from a3po.models.logprobs import position_ids_from_mask, sampling_log_softmax
+from a3po.rollout.padding import left_pad
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RolloutBatch:
+    """Prompt + response per row, padded into one ``(N, L)`` block ready for training.
+
+    ``response_mask`` marks generated tokens (the EOS included); ``behav_logp`` and
+    ``versions`` are defined there (0 and -1 elsewhere)."""
+
+    input_ids: torch.Tensor  # (N, L) left-padded prompt, then response, right-padded
+    attention_mask: torch.Tensor  # (N, L)
+    response_mask: torch.Tensor  # (N, L) bool
+    behav_logp: torch.Tensor  # (N, L) float32
+    versions: torch.Tensor  # (N, L) int64, -1 outside the response
+    finished: torch.Tensor  # (N,) bool: stopped on EOS (False = cut at max_new_tokens)
+    prompt_len: int  # padded prompt width P; responses start at column P
+    meta: list[dict] = field(default_factory=list)  # per-row data carried along (id, gold, group, ...)
+
+    @property
+    def responses(self) -> list[list[int]]:
+        """Generated token ids per row, EOS included."""
+        return [row[m].tolist() for row, m in zip(self.input_ids, self.response_mask)]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+BetweenSteps = Callable[[int], "int | None"]
+OnToken = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class RolloutEngine:
+    """Samples from ``model`` in batches. ``version`` is the policy version of the current
+    weights; ``between_steps(step)`` may load new weights and return their version. ``decoder``:
+    the incremental decoder (:mod:`a3po.models.decoders`; ``auto`` = the fast one registered for the
+    model's type where it applies, else the model's own forward)."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, version: int = 0,
+                 decoder: str = "auto") -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.version = version
+        self.decoder = decoder
+        decoder_for(model, decoder)  # an unknown or unsupported decoder fails here, not at the first batch
+        forget_fused(model)  # the model may have changed since another engine decoded it
+
+    # --- the rollout-engine interface (a3po.rollout.engines): what the controller calls -----------------
+    mid_batch_updates = True  # between_steps may swap weights between decode steps
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(state)
+        forget_fused(self.model)
+        self.version = version
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        between_steps: BetweenSteps | None = None,
+        meta: list[dict] | None = None,
+        on_token: OnToken | None = None,
+    ) -> RolloutBatch:
+        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device
+        (``on_token``: OPPO's streamed scoring, this engine only)."""
+        gen = sampling_generator(model_device(self.model), seed)
+        return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta, on_token=on_token)
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        between_steps: BetweenSteps | None = None,
+        meta: list[dict] | None = None,
+        on_token: OnToken | None = None,
+        row_budget: torch.Tensor | None = None,
+        stop_early: Callable[[torch.Tensor], bool] | None = None,
+    ) -> RolloutBatch:
+        """Sample up to ``params.max_new_tokens`` per row. Options of OPPO (all None: plain
+        decoding): ``on_token(t, tokens, alive)`` sees each decode step's ``(n,)`` tokens and
+        alive mask (streamed scoring); ``row_budget`` ``(n,)`` caps each row's new tokens (a row
+        that reaches it stops unfinished); ``stop_early(done)`` gets the ``(n,)`` mask of rows
+        done so far after each step and may end decoding there (over-commitment)."""
+        if len(prompts) == 0:
+            raise ValueError("generate() needs at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        device = model_device(self.model)
+        if generator is not None and generator.device.type != device.type:
+            raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}; "
+                             "create it with a3po.devices.sampling_generator(device, seed)")
+        n = len(prompts)
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        width = ids.shape[1]
+        ids, mask = ids.to(device), mask.to(device)
+
+        new_tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        new_logp = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
+        new_version = torch.full((n, params.max_new_tokens), -1, dtype=torch.long, device=device)
+        alive = torch.ones(n, dtype=torch.bool, device=device)
+        finished = torch.zeros(n, dtype=torch.bool, device=device)
+
+        make_decoder = decoder_for(self.model, self.decoder)
+        max_width = width + params.max_new_tokens
+        # Attention mask of everything fed so far: the prompt's, then per generated column whether
+        # its row was still alive when it sampled it (padding after EOS is ignored).
+        attn = torch.zeros((n, max_width), dtype=mask.dtype, device=device)
+        attn[:, :width] = mask
+        was_training = self.model.training
+        self.model.eval()
+        decoder = None
+        for t in range(params.max_new_tokens):
+            if between_steps is not None:
+                v = between_steps(t)
+                if v is not None:
+                    # New weights: a cache built by the old ones would make later tokens come
+                    # from neither version, so the prefix (prompt + tokens so far) is run again.
+                    self.version, decoder = v, None
+            if decoder is None:
+                decoder = make_decoder(self.model, n, max_width)
+                prefix_mask = attn[:, : width + t]
+                prefix_pos = position_ids_from_mask(prefix_mask)
+                logits = decoder.prefill(torch.cat([ids, new_tokens[:, :t]], dim=1), prefix_mask, prefix_pos)
+                positions = prefix_pos[:, -1]
+            else:
+                positions = positions + 1
+                logits = decoder.step(tok, alive_before, positions)
+            logp = sampling_log_softmax(logits, params.temperature, params.top_p)  # (n, V)
+            if params.temperature == 0:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
+            new_tokens[:, t] = tok
+            new_logp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(new_logp[:, t]))
+            new_version[:, t] = torch.where(alive, torch.full_like(tok, self.version), new_version[:, t])
+            hit_eos = alive & (tok == self.eos_token_id)
+            finished |= hit_eos
+            alive_before = alive
+            alive = alive & ~hit_eos
+            if on_token is not None:
+                on_token(t, tok, alive_before)
+            if row_budget is not None:
+                alive = alive & (row_budget.to(device) > t + 1)
+            if not bool(alive.any()) or (stop_early is not None and stop_early(~alive)):  # a CPU-GPU sync point per decode step, the price of stopping early
+                break
+            attn[:, width + t] = alive_before
+        self.model.train(was_training)
+
+        steps = t + 1
+        resp_mask = new_version[:, :steps] >= 0
+        return RolloutBatch(
+            input_ids=torch.cat([ids, new_tokens[:, :steps]], 1),
+            attention_mask=torch.cat([mask, resp_mask.long()], 1),
+            response_mask=torch.cat([torch.zeros_like(mask, dtype=torch.bool), resp_mask], 1),
+            behav_logp=torch.cat([torch.zeros_like(mask, dtype=torch.float32), new_logp[:, :steps]], 1),
+            versions=torch.cat([torch.full_like(mask, -1), new_version[:, :steps]], 1),
+            finished=finished,
+            prompt_len=width,
+            meta=list(meta) if meta is not None else [{} for _ in range(n)],
+        )
+
+
+def generate_text(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    params: SamplingParams,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> list[str]:
+    """Decode completions for text prompts (the evaluation entry point). Greedy when
+    ``params.temperature == 0``; EOS and padding are stripped from the returned text."""
+    engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    gen = sampling_generator(model_device(model), seed)
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]
+        batch = engine.generate(chunk, params, generator=gen)
+        for resp in batch.responses:
+            if resp and resp[-1] == tokenizer.eos_token_id:
+                resp = resp[:-1]
+            out.append(tokenizer.decode(resp, skip_special_tokens=True))
+    return out

@@ -1,0 +1,163 @@
+"""Metric reporting without a tracking dependency: the library calls a :class:`MetricLogger`;
+MLflow is one implementation (in ``tasks/``), a JSONL file another.
+
+Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``):
+
+
+``ppo/kl``, ``ppo/kl_seq``             (kl_coef > 0) KL of the sampling policy to the
+                                        reference (frozen warm start), ``ppo.kl_estimator``
+                                        per token: mean per token / per sequence, nats
+``ppo/value_loss``                      (critic) clipped value loss, 0.5 * squared error,
+                                        token mean
+``ppo/value_clip_frac``                 fraction of tokens where the clipped value term is
+                                        active
+``ppo/value_grad_norm``                 the critic's gradient norm before clipping
+``ppo/value_loss_last_epoch``           (ppo.critic_epochs > 1) mean value loss of the
+                                        critic's last pass over the batch
+``ppo/value_mean``                      mean critic value on generated tokens when the batch
+                                        is scored
+``ppo/return_mean``                     mean GAE return (the critic's target) on generated
+                                        tokens
+``ppo/explained_variance``              1 - Var(R - V) / Var(R): 1 perfect critic, 0 a
+                                        constant, < 0 worse (per token, over the batch)
+``ppo/ev_prompt_ceiling``               share of the batch's score variance between prompts
+                                        (ANOVA): the explained variance of a critic knowing
+                                        each prompt's success rate but not judging the answer
+``reward/model_mean``                   (reward: model) mean reward-model score,
+                                        sigmoid(logit) in 0..1
+``reward/model_grader_agreement``       fraction of samples where RM score > 0.5 matches the
+                                        grader
+``reward_model/heldout_acc``            (offline RM training, on the flow's parent run)
+                                        held-out accuracy; ``reward_model/heldout_majority_acc``
+                                        is the always-commoner-label baseline;
+                                        ``_balanced_acc`` (TPR + TNR) / 2 and ``_auc`` are
+                                        0.5 for a constant guess
+======================================  ============================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Protocol
+
+from a3po.storage.atomic import atomic_write_bytes
+
+_VALID_KEY = re.compile(r"^[A-Za-z0-9_\-./ ]+$")
+
+
+def valid_metric_key(name: str) -> bool:
+    return bool(_VALID_KEY.match(name)) and ".." not in name and not name.startswith("/")
+
+
+class MetricLogger(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+def rewind_logger(logger: MetricLogger, step: int, history: list[dict[str, float]]) -> None:
+    """Tell ``logger`` the run continues after ``step`` with ``history`` (steps 1..step) as its
+    record. Loggers that keep their own copy of the steps (a file) implement ``rewind``; others
+    (MLflow's, which skips steps it already has) need nothing."""
+    rewind = getattr(logger, "rewind", None)
+    if rewind is not None:
+        rewind(step, history)
+
+
+class NullLogger:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+
+def _jsonl_line(step: int, metrics: dict[str, float]) -> bytes:
+    return (json.dumps({"step": step, **metrics}) + "\n").encode()
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a metrics JSONL file. A last line without its newline is torn (a process
+    killed mid-write) and dropped; a bad complete line is an error naming the file and line."""
+    path = Path(path)
+    complete, _, _torn = path.read_bytes().rpartition(b"\n")
+    rows = []
+    for i, raw in enumerate(complete.split(b"\n") if complete else []):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{path} line {i + 1}: not JSON: {e}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path} line {i + 1}: not an object with an integer 'step'")
+        rows.append(row)
+    return rows
+
+
+class JsonlLogger:
+    """``{"step": s, **metrics}`` per line. Each line is one ``write`` on an append-only file
+    descriptor; a failed write (a full disk) is cut back so no partial line stays. A torn last
+    line left by a killed process is cut before the first new line is appended (or the file is
+    rewritten by :meth:`rewind`); until then the file is left as it is."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._repaired = False
+
+    def repair(self) -> None:
+        """Cut a last line that has no newline (a crash mid-write)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self._repaired:
+            self.repair()
+            self._repaired = True
+        line = _jsonl_line(step, metrics)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                if os.write(fd, line) != len(line):
+                    raise OSError(f"{self.path}: short write (disk full?)")
+            except OSError:
+                os.ftruncate(fd, size)  # no half line
+                raise
+        finally:
+            os.close(fd)
+
+    def rewind(self, step: int, history: list[dict[str, float]]) -> None:
+        """Rewrite the file atomically as: its step-0 lines (logged before the first RL step,
+        e.g. the warm-start evaluation), then one line per step of ``history``. A fresh start
+        (``step`` 0) keeps nothing: an attempt killed before its first checkpoint is redone."""
+        if len(history) != step:
+            raise ValueError(f"rewind to step {step} with {len(history)} history entries")
+        head: list[bytes] = []
+        if step > 0 and self.path.exists():
+            for raw in self.path.read_bytes().splitlines():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue  # replaced by the history below
+                if isinstance(row, dict) and row.get("step") == 0:
+                    head = [raw + b"\n"]  # once, the last one logged
+        body = [_jsonl_line(i + 1, h) for i, h in enumerate(history)]
+        atomic_write_bytes(self.path, lambda f: f.write(b"".join(head + body)))
+        self._repaired = True
+
+
+class FanoutLogger:
+    def __init__(self, *loggers: MetricLogger) -> None:
+        self.loggers = loggers
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step)
+
+    def rewind(self, step: int, history: list[dict[str, float]]) -> None:
+        for lg in self.loggers:
+            rewind_logger(lg, step, history)

@@ -1,0 +1,115 @@
+"""End-to-end training for one variant: model -> data -> warm start (cached) -> RL -> export.
+
+This is what ``a3po train`` and the Prefect tasks call. The warm start is keyed by a hash of
+the configs that determine it, so every variant and seed of a comparison starts from the very
+same weights and pays for it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from a3po.config import TrainConfig, data_identity
+from a3po.data.datasets import load_rows, prompt_style
+from a3po.devices import resolve_device
+from a3po.models.factory import load_model, load_pretrained
+from a3po.parallel.ranks import plain_model, ranks_from_env
+from a3po.training.heldout import evaluate_heldout
+from a3po.training.loop import TrainResult, rl_train
+from a3po.training.metrics import MetricLogger
+from a3po.training.warmstart import warm_start
+
+
+def build_model(cfg: TrainConfig):
+    """A built-in architecture name, or a path / hub name of a pretrained causal LM, on the
+    configured device and dtype."""
+    return load_model(cfg.model.name, seed=cfg.model.init_seed, device=resolve_device(cfg.device), dtype=cfg.dtype.torch)
+
+
+def warmstart_key(cfg: TrainConfig) -> str:
+    # The held-out measure depends on the RL sampling settings, so they are part of the key.
+    measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
+    parts = {"model": asdict(cfg.model), "data": data_identity(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure}
+    # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
+    # made before devices were configurable keep their names.
+    runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
+    if runtime != {"device": "cpu", "dtype": "float32"}:
+        parts["runtime"] = runtime
+    blob = json.dumps(parts, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write an HF model directory next to ``out_dir`` and rename it into place."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[str], None] = print) -> tuple[Path, float]:
+    """Warm-start once per (model, data, warm_start) config; returns (model dir, held-out acc)."""
+    torch.set_num_threads(cfg.torch_threads)
+    out = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
+    meta = out / "a3po_warmstart.json"
+    if meta.exists():
+        return out, json.loads(meta.read_text())["heldout_acc"]
+    model, tokenizer = build_model(cfg)
+    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer, require_solution=cfg.warm_start.steps > 0)
+    torch.manual_seed(cfg.warm_start.seed)
+    if cfg.warm_start.steps:
+        log(f"warm start: {cfg.warm_start.steps} supervised steps on {len(train_rows)} problems")
+    else:
+        log("warm start: skipped (warm_start.steps = 0); RL starts from the model as it is")
+    ws = warm_start(model, tokenizer, train_rows, cfg.warm_start, style=prompt_style(cfg.data))
+    held = evaluate_heldout(model, tokenizer, heldout_rows, cfg)
+    acc = held["eval/heldout_acc"]
+    save_pretrained_atomic(model, tokenizer, out)
+    (out / "a3po_warmstart.json").write_text(json.dumps({"heldout_acc": acc, **held, **ws}))
+    return out, acc
+
+
+def train_variant(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    warmstart_dir: str | Path,
+    warmstart_acc: float,
+    logger: MetricLogger | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
+    and exports the final weights to ``run_dir/final`` (an HF model directory)."""
+    run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.torch_threads)
+    model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
+    train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
+    result = rl_train(
+        cfg, model, tokenizer, train_rows, heldout_rows,
+        ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
+    )
+    if not ranks_from_env().is_main:
+        return result  # trainer ranks other than 0 write nothing
+    if result.final_weights is not None:  # the module is ZeRO-3 partitioned: export the gathered weights
+        model = plain_model(model, result.final_weights)
+    save_pretrained_atomic(model, tokenizer, run_dir / "final")
+    (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
+    return result
