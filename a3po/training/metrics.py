@@ -1,10 +1,70 @@
 """Metric reporting without a tracking dependency: the library calls a :class:`MetricLogger`;
 MLflow is one implementation (in ``tasks/``), a JSONL file another.
 
-Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``):
+Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``). One row a
+key (``a|b`` names two keys, ``*`` a family); "the step's tokens" are the generated tokens of
+the step's batch, all minibatches together.
 
-
-``ppo/kl``, ``ppo/kl_seq``             (kl_coef > 0) KL of the sampling policy to the
+======================================  ===================================================
+``reward/mean``, ``reward/std``         reward of the training batch (grader score, 0..1)
+``stability/behav_iw_mean|p99|max``     behaviour importance weight pi_prox / pi_behav (the
+                                        off-policy correction) over the step's tokens
+                                        (``a3po.algorithms.stability``)
+``stability/behav_iw_capped_frac``      fraction of the step's tokens with that weight above
+                                        ``rl.behav_weight_cap`` (dropped from the loss)
+``stability/trust_ratio_mean|p99|max``  trust-region ratio pi_theta / pi_prox, same tokens
+``stability/trust_ratio_clipped_frac``  fraction of the step's tokens whose clipped term is
+                                        active (ratio outside the clip range: no gradient)
+``policy/approx_kl``                    KL(pi_prox || pi_theta) per token, nats: k3 estimator
+                                        importance-weighted by pi_prox / pi_behav because the
+                                        tokens were sampled from pi_behav; step's tokens
+``policy/entropy``                      mean next-token entropy on generated tokens, nats
+``policy/grad_norm``                    gradient norm before clipping, mean over minibatches
+``loss/policy``                         decoupled PPO loss, mean over minibatches
+``staleness/mean|max``                  trainer version minus token version, over generated
+                                        tokens
+``prox/time_s``                         wall time to obtain proximal log-probs this step
+``prox/approx_abs_err|approx_iw_err``   (``proximal: metrics``) mean |loglinear - recomputed|
+                                        log-prob, and the mean |exp(difference) - 1| it puts
+                                        into the importance weight
+``rollout/behav_logp_abs_err|_max``     (``proximal: metrics``) mean and max |engine -
+                                        trainer| behaviour log-prob of the same weights
+``rollout/behav_iw_err``                ... and the mean |exp(difference) - 1| it puts into
+                                        the behaviour weight
+``perf/step_time_s``                    wall time of the training step (rollout wait excluded)
+``perf/wait_time_s``                    time the trainer waited for rollouts
+``perf/gen_time_s``                     wall time the producer spent generating the batch
+``perf/tokens_per_s``                   generated tokens trained per second of step wall time
+``perf/generate_s|train_s|idle_s``      the step seen from the trainer: the batch's
+                                        generation, its own training, its wait for the batch
+``perf/trainer_busy_frac``              train_s / (train_s + idle_s)
+``perf/generator_busy_frac``            generate_s / (train_s + idle_s); above 1 when
+                                        generation overlaps training
+``time/train_wall_s``                   trainer wall clock so far: rollout waits + steps,
+                                        evaluations excluded (time to target reads it)
+``version``                             the policy version after this step
+``response/length_mean``                generated tokens per sample
+``response/truncated_frac``             fraction of samples cut at ``rl.max_new_tokens``
+``eval/heldout_acc``                    held-out accuracy, **sampled**: mean@n
+                                        (``rl.eval_samples`` completions per problem) at the
+                                        training temperature, fixed sampling seed
+                                        (``a3po.training.heldout``); step 0 = warm start
+``eval/heldout_greedy_acc``             held-out accuracy, greedy pass@1 (temperature 0)
+``eval/final/*``                        (after training, ``tasks.evaluation``) the held-out
+                                        figures of the final checkpoint, and
+                                        ``eval/final/<benchmark>/<metric>`` per benchmark
+``grader/calls``                        completions graded for this step's batch (counts,
+                                        per batch)
+``grader/fast``                         ... decided by the exact plain-number compare
+``grader/math_verify``                  ... sent to the math-verify worker
+``grader/timeouts``                     ... whose math-verify comparison hit the timeout
+                                        (scored 0)
+``grader/worker_errors``                ... math-verify could not decide (evaluator error;
+                                        scored 0)
+``grader/no_answer``                    ... with no final answer found (scored 0)
+``grader/too_long``                     ... whose answer exceeded the grader's length bound
+                                        (scored 0)
+``ppo/kl``, ``ppo/kl_seq``              (kl_coef > 0) KL of the sampling policy to the
                                         reference (frozen warm start), ``ppo.kl_estimator``
                                         per token: mean per token / per sequence, nats
 ``ppo/value_loss``                      (critic) clipped value loss, 0.5 * squared error,
@@ -32,7 +92,18 @@ Metric names are namespaced and valid MLflow keys (letters, digits, ``_ - . /``)
                                         is the always-commoner-label baseline;
                                         ``_balanced_acc`` (TPR + TNR) / 2 and ``_auc`` are
                                         0.5 for a constant guess
-======================================  ============================================
+``reward_model/heldout_positive_frac``  share of correct samples in the held-out split
+``reward_model/train_acc|train_auc``    the same figures on the training samples, and
+``reward_model/train_loss``             the last training loss
+``reward_model/n_train|n_heldout``      samples in each split
+``oppo/delta``                          (OPPO inter-step) groups admitted beyond the batch
+``oppo/carried``                        unfinished samples carried to the next step
+``oppo/carried_age_max``                steps the oldest carried sample has waited
+``oppo/trained_age_max``                steps the oldest trained sample waited since admitted
+``oppo/chunk_size``, ``oppo/chunks``    (OPPO intra-step) tokens per streamed chunk, chunks
+                                        sent this step
+``oppo/scorer_busy_s/<scorer>``         seconds each streaming scorer thread computed
+======================================  ===================================================
 """
 
 from __future__ import annotations
