@@ -59,7 +59,7 @@ UPDATES_PER_BATCH = 4
 
 
 def work_config(cycles: int, torch_threads: int | None, update_threads: int | None = None, preset_name: str = "tiny") -> TrainConfig:
-    """The tiny preset (the issue's work; another for a quick check) as the comparison runs it:
+    """The tiny preset (the comparison's work; another for a quick check) as the comparison runs it:
     constant lr 1e-4 as TRL's, no evaluation or checkpoint inside the timed steps (one of each at
     the last, untimed step)."""
     steps = cycles + 2  # the first step (producer start-up) and the last (final evaluation) are not timed

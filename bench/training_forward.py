@@ -7,7 +7,7 @@ T = 0.7, as the trainer gets it; ``--preset`` for another), for each ``rl.miniba
 minibatch, median over repeats with the settings' order rotated; the token positions the model
 runs per minibatch; and the largest log-prob difference from the plain forward of the same rows.
 
-    python -m bench.training_forward --cache /tmp/ws     # warm start from the cache (built when missing)
+    python -m bench.training_forward --cache runs/ws     # warm start from the cache (built when missing)
 
 Prints a table, then as the very last line one JSON object.
 """
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.zero_grad(set_to_none=True)
 
     times: dict[tuple[str, bool], list[float]] = {s: [] for s in SETTINGS}
-    for r in range(args.repeats + 1):  # round 0 warms up
+    for r in range(args.repeats + 1):  # r == 0 warms up (not timed)
         for s in SETTINGS[r % len(SETTINGS):] + SETTINGS[: r % len(SETTINGS)]:
             t0 = time.perf_counter()
             update(*s)
