@@ -57,14 +57,14 @@ def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_p
     rows = [r for r in train if r["solution"].endswith(f"#### {r['gold']}")][:2]  # solutions without a teacher slip
     sampler = PromptSampler(rows, tok, batch_prompts=2, group_size=1, seed=0, style=prompt_style(cfg.data))
     prompts, meta = sampler.batch(0)
-    golds = {tuple(p): (m["gold"], m["id"]) for p, m in zip(prompts, meta)}
+    golds = {tuple(p): (m["gold"], m["id"]) for p, m in zip(prompts, meta, strict=True)}
     by_id = {r["id"]: r for r in rows}
     right = [by_id[m["id"]]["solution"] for m in meta]
-    wrong = [s.rsplit("#### ", 1)[0] + f"#### {int(m['gold']) + 1}" for s, m in zip(right, meta)]
+    wrong = [s.rsplit("#### ", 1)[0] + f"#### {int(m['gold']) + 1}" for s, m in zip(right, meta, strict=True)]
     # TRL's layout: left-padded prompts to one width, then each response up to its EOS, pad after.
     width = max(map(len, prompts))
     ids, mask = [], []
-    for p, text in zip(prompts + prompts, right + wrong):
+    for p, text in zip(prompts + prompts, right + wrong, strict=True):
         resp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         row = [tok.pad_token_id] * (width - len(p)) + p + resp
         ids.append(row)
