@@ -1,6 +1,7 @@
 """Rewards are the benchmark grader itself (``a3po.grading.score``; ``eval`` scores benchmarks
 with the same module), so a grading error can never make training and evaluation disagree.
-Non-finite rewards raise naming the row.
+Non-finite rewards raise naming the row. No completion or gold text can raise: the grader
+scores it, or scores it 0 and counts why (``grader/too_long``, ``grader/worker_errors``).
 
 A grader that cannot work fails the run instead of training on zeros: when the math-verify
 worker cannot start, or fails every symbolic comparison of a batch, scoring raises
@@ -45,9 +46,11 @@ def check_grader(task: str) -> None:
 
 
 def score_completions(task: str, completions: list[str], golds: list[str], ids: list[str] | None = None) -> list[float]:
+    if len(completions) != len(golds):
+        raise ValueError(f"{len(completions)} completions for {len(golds)} golds")
     out, errors = [], []
     with grading.counting() as counts:  # through the module: tests may replace grading.grade
-        for i, (c, g) in enumerate(zip(completions, golds)):
+        for i, (c, g) in enumerate(zip(completions, golds, strict=True)):
             result = grading.grade(task, c, g, strict=True)
             r = float(result.score)
             if not math.isfinite(r):

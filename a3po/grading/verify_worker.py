@@ -324,7 +324,7 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
                 reply = {"ok": False, "timeout": True, "err": None}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))
-            except (ChildProcessError, BrokenPipeError):
+            except (ChildProcessError, OSError, ValueError):  # ValueError: a reply that is not JSON
                 reply = {"ok": False, "timeout": False, "err": "evaluator died"}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))
