@@ -229,6 +229,16 @@ def warmup() -> None:
     _get_verifier().start()
 
 
+def evaluator_works(timeout_s: float | None = None) -> bool:
+    """Whether math-verify still finds 1/2 equal to 0.5 (the worker's start-up self-check), not
+    counted in ``stats()``: tells a batch of unreadable golds from an evaluator that reads nothing."""
+    try:
+        out = _get_verifier().check("\\frac{1}{2}", "0.5", timeout_s if timeout_s is not None else _config.timeout_s)
+    except GraderUnavailable:
+        return False
+    return out.equal and out.error is None
+
+
 def worker_pid() -> int | None:
     """Process id of the running math-verify supervisor, else None (for diagnostics and tests:
     its evaluator children are forks of it, so its size is theirs when they start)."""
