@@ -61,7 +61,7 @@ def key_figures(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model": results["model"]}
     for bench, metrics in results["benchmarks"].items():
         for k, v in metrics.items():
-            if k.startswith(("pass@", "mean@")) or k in ("n_problems", "grading_timeouts", "grading_errors"):
+            if k.startswith(("pass@", "mean@")) or k in ("n_problems", "grading_timeouts", "grading_errors", "grading_too_long"):
                 out[f"{bench}/{k}"] = v
     for bench, metrics in results.get("lm_eval", {}).items():
         for k, v in metrics.items():

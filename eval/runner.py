@@ -15,8 +15,11 @@ Metrics per benchmark (``results.json``; the CLI's last line names them ``<bench
 - ``mean@n``           mean score of all n sampled completions (0-1; the expected sampled pass@1);
 - ``pass@k``           unbiased P(at least one of k samples is correct), Chen et al. 2021 (0-1);
 - ``grading_timeouts`` completions whose math-verify comparison hit the timeout (count, scored 0);
-- ``grading_errors``   completions math-verify could not decide: worker unavailable or evaluator
-  error (count, scored 0; a benchmark run keeps going, the count says how much it is worth);
+- ``grading_errors``   completions the grader could not decide: worker unavailable, evaluator
+  error, or an in-process failure caught by the grader's guard (count, scored 0; a benchmark run
+  keeps going, the count says how much it is worth);
+- ``grading_too_long`` completions whose text, answer or gold exceeded the grader's length caps
+  (count, scored 0 without parsing);
 - ``no_answer_rate``   fraction of completions in which no final answer was found (0-1);
 - ``n_problems``, ``seconds`` (wall clock for generation and grading).
 """
@@ -127,13 +130,13 @@ def evaluate_records(model, tokenizer, benchmark: str, records: list[EvalRecord]
 
     def graded(sample: str, completions: list[str], recs: list[EvalRecord], ps: list[str]) -> list[float]:
         scores = []
-        for rec, prompt, completion in zip(recs, ps, completions):
+        for rec, prompt, completion in zip(recs, ps, completions, strict=True):
             g = grade(spec.task, completion, rec.gold)
             scores.append(g.score)
             items.append({
                 "benchmark": benchmark, "id": rec.id, "sample": sample, "prompt": prompt, "completion": completion,
                 "extracted": g.extracted, "method": g.method, "gold": rec.gold, "score": g.score,
-                "timed_out": g.timed_out, "error": g.error, "worker_error": g.worker_error,
+                "timed_out": g.timed_out, "error": g.error, "worker_error": g.worker_error or g.grader_error,
             })
         return scores
 
@@ -150,6 +153,7 @@ def evaluate_records(model, tokenizer, benchmark: str, records: list[EvalRecord]
         metrics.update(summarize_samples([flat[i * n : (i + 1) * n] for i in range(len(records))], pass_ks(cfg)))
     metrics["grading_timeouts"] = sum(1 for it in items if it["timed_out"])
     metrics["grading_errors"] = sum(1 for it in items if it["worker_error"])
+    metrics["grading_too_long"] = sum(1 for it in items if (it["error"] or "").endswith(" too long"))
     metrics["no_answer_rate"] = mean([1.0 if it["extracted"] is None else 0.0 for it in items])
     metrics["seconds"] = round(time.perf_counter() - t0, 3)
     return metrics, items

@@ -121,3 +121,21 @@ def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="nothing to do"):
         EvalConfig(greedy=False)
     assert runner.pass_ks(EvalConfig(n_samples=8)) == (2, 4, 8)
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_when_loaded(tiny, tmp_path: Path) -> None:
+    # Weights saved without the tokenizer: AutoTokenizer alone would build a one-token tokenizer
+    # from config.json and the run would fail far later ("prompt 0 is empty").
+    model, tok = tiny
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    with pytest.raises(FileNotFoundError) as refused:
+        runner.load_model(str(folder))
+    msg = str(refused.value)
+    assert f"model folder {folder} has no tokenizer" in msg, msg
+    assert "tokenizer.json" in msg and "vocab.json" in msg  # what it needs
+    assert "config.json" in msg and "model.safetensors" in msg  # what it holds
+    # The same folder once the tokenizer is saved beside the weights loads, with the same ids.
+    tok.save_pretrained(folder)
+    _, loaded, _ = runner.load_model(str(folder))
+    assert loaded("12 + 30 = 42").input_ids == tok("12 + 30 = 42").input_ids

@@ -96,8 +96,10 @@ def test_evaluator_that_cannot_work_under_its_memory_limit_raises_for_rewards():
     # 1 MB of address space: depending on the allocator's state the evaluator fails the worker's
     # start-up self-check, or fails every comparison, or gets through some of them under the
     # limit (math-verify then catches the MemoryError of the others and would answer "not
-    # equal"). Rewards raise in the first two cases; in the third every wrong score must be a
+    # equal"). Rewards raise in the first two cases; in the third the limit must still have cost
+    # a score (on this host 3/4 and 5/4 always fail, 1/2 passes), and every wrong score must be a
     # counted worker error (grader/worker_errors in the step's metrics): never a silent zero.
+    # With the limit not applied all four scores are right and nothing is counted, which fails.
     grading.set_config(GradingConfig(memory_limit_mb=1))
     answers = [f"#### {f}" for f in FRACTIONS]
     errors_before = grading.stats()["errors"]
@@ -106,7 +108,8 @@ def test_evaluator_that_cannot_work_under_its_memory_limit_raises_for_rewards():
     except GraderUnavailable as e:
         assert re.search("failed its self-check|every math-verify comparison of the batch failed", str(e)), str(e)
     else:
-        wrong = sum(a != b for a, b in zip(scores, [1.0, 1.0, 0.0, 1.0]))
+        wrong = sum(a != b for a, b in zip(scores, [1.0, 1.0, 0.0, 1.0], strict=True))
+        assert wrong >= 1, f"a 1 MB evaluator graded every answer right: was the limit applied? {scores}"
         assert grading.stats()["errors"] - errors_before >= wrong, (scores, grading.stats())
     # The same settings with no memory limit grade normally (3/4 = 0.75, 1/2 = 0.5, 5/4 = 1.25;
     # 2/3 is not 0.666): the failure above is the limit's, not the inputs'.
@@ -212,7 +215,7 @@ def test_micro_run_logs_the_grader_counters_per_step(tmp_path):
     res = rl_train(cfg, model, tok, train, held, warmstart_acc=0.0, logger=JsonlLogger(tmp_path / "metrics.jsonl"))
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2]
-    for h, m in zip(res.history, logged):
+    for h, m in zip(res.history, logged, strict=True):
         counts = {k: m[f"grader/{k}"] for k in
                   ("calls", "fast", "math_verify", "timeouts", "worker_errors", "no_answer", "too_long")}
         assert counts == {k: h[f"grader/{k}"] for k in counts}

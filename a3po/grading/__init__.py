@@ -14,12 +14,23 @@ extracted and how, for per-item records. The steps:
    ``GradingConfig.timeout_s`` from any thread or process; a timeout scores 0 and is counted.
    ``arith`` never takes this path: its answers are integers, and anything else scores 0.
 
-Answers longer than ``max_answer_chars`` score 0 without parsing (no benchmark answer is near
-that long; it keeps pathological completions from occupying the worker).
+Bounds on the input, so that the time of one call is bounded whatever the text: completions
+(and raw golds) longer than ``max_completion_chars`` score 0 without extraction; extracted
+answers (and normalised golds) longer than ``max_answer_chars`` score 0 without parsing, on the
+fast path too (no benchmark answer is near that long; it keeps pathological completions from
+occupying the worker). Both count as ``too_long``.
+
+The grader never raises on its text: ``grade`` turns any completion and any gold into a score
+or a counted error. Besides the bounds above, a last-resort guard catches whatever an answer
+still makes fail in-process, scores it 0 with ``path="error"`` and counts it under ``errors``.
+Only a task name that is not registered (a caller's bug) and ``GraderUnavailable`` with
+``strict=True`` raise.
 
 Counters (``stats()``) are per process: calls, fast-path decisions, math-verify calls, timeouts,
-worker errors, answers not found, answers too long; ``counting()`` collects the same counters
-for one block of one thread (the RL trainer logs them per step as ``grader/*``).
+errors (worker errors, and in-process failures caught by the guard), answers not found, inputs
+too long; ``counting()`` collects the same counters for one block of one thread (the RL trainer
+logs them per step as ``grader/*``). Each call takes one route: calls = fast + math_verify +
+no_answer + too_long + (errors on the ``error`` path).
 
 A worker that cannot start (no math-verify for its interpreter, or an evaluator that fails its
 self-check, e.g. under too small a ``memory_limit_mb``) scores 0 and counts as a worker error for
@@ -45,7 +56,7 @@ from a3po.grading.verifier import GraderUnavailable  # noqa: F401 - callers catc
 from a3po.registry import Registry
 
 Method = Literal["boxed", "hash", "answer_is", "last_number", "none"]
-GradePath = Literal["fast", "math_verify", "skipped"]
+GradePath = Literal["fast", "math_verify", "skipped", "error"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,10 @@ class GradingConfig:
     timeout_s: float = 5.0
     """Wall-clock limit of one math-verify comparison (parse both + verify), seconds, > 0."""
     max_answer_chars: int = 1000
-    """Extracted answers longer than this score 0 without being parsed."""
+    """Extracted answers (and normalised golds) longer than this score 0 without being parsed."""
+    max_completion_chars: int = 200_000
+    """Completions (and raw golds) longer than this score 0 without extraction, which bounds
+    the time of a call (a 32k-token completion is about 100-130k characters)."""
     memory_limit_mb: int = 2048
     """Address-space limit of the math-verify evaluator process (0 = none). Too small a limit
     makes the worker fail its start-up self-check (:class:`GraderUnavailable`)."""
@@ -67,6 +81,8 @@ class GradingConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_answer_chars < 1:
             raise ValueError(f"max_answer_chars must be >= 1, got {self.max_answer_chars}")
+        if self.max_completion_chars < self.max_answer_chars:
+            raise ValueError(f"max_completion_chars must be >= max_answer_chars ({self.max_answer_chars}), got {self.max_completion_chars}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"memory_limit_mb must be >= 0, got {self.memory_limit_mb}")
 
@@ -76,7 +92,7 @@ class GradeResult:
     score: float  # 1.0 correct, 0.0 otherwise
     extracted: str | None  # the answer found in the completion (None: no answer)
     method: Method  # how it was found (see a3po.grading.answers)
-    path: GradePath  # fast = exact plain-number compare; math_verify = worker; skipped = no comparison
+    path: GradePath  # fast = exact plain-number compare; math_verify = worker; skipped = no comparison; error = guard
     gold: str  # the normalised gold it was compared with
     timed_out: bool = False
     error: str | None = None  # why a comparison failed (worker error, answer too long, ...)
@@ -85,6 +101,11 @@ class GradeResult:
     def worker_error(self) -> bool:
         """math-verify could not decide (worker unavailable, evaluator error), not a timeout."""
         return self.path == "math_verify" and self.error is not None and not self.timed_out
+
+    @property
+    def grader_error(self) -> bool:
+        """The grader failed in-process on this input (caught by its last-resort guard)."""
+        return self.path == "error"
 
 
 @dataclass(frozen=True)
@@ -208,6 +229,16 @@ def warmup() -> None:
     _get_verifier().start()
 
 
+def evaluator_works(timeout_s: float | None = None) -> bool:
+    """Whether math-verify still finds 1/2 equal to 0.5 (the worker's start-up self-check), not
+    counted in ``stats()``: tells a batch of unreadable golds from an evaluator that reads nothing."""
+    try:
+        out = _get_verifier().check("\\frac{1}{2}", "0.5", timeout_s if timeout_s is not None else _config.timeout_s)
+    except GraderUnavailable:
+        return False
+    return out.equal and out.error is None
+
+
 def worker_pid() -> int | None:
     """Process id of the running math-verify supervisor, else None (for diagnostics and tests:
     its evaluator children are forks of it, so its size is theirs when they start)."""
@@ -239,13 +270,42 @@ def _gold(task: str, gold: str) -> tuple[TaskSpec, str, int | Fraction | None]:
 def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = None, strict: bool = False) -> GradeResult:
     """Grade one completion against one gold answer (see the module docstring for the steps).
     ``strict``: raise :class:`GraderUnavailable` when the math-verify worker cannot start,
-    instead of scoring 0 (RL rewards must not train on a broken grader's zeros)."""
-    spec, gold_n, gold_v = _gold(task, gold)
+    instead of scoring 0 (RL rewards must not train on a broken grader's zeros). Whatever the
+    completion and the gold hold, returns a result (an unknown ``task`` raises KeyError)."""
+    TASKS.get(task)  # a caller's bug, not an answer: raises naming the registered tasks
     _count("calls")
+    try:
+        return _grade(task, completion, gold, timeout_s, strict)
+    except GraderUnavailable:  # only with strict=True: _grade scores it 0 otherwise
+        raise
+    except Exception as e:  # noqa: BLE001 - last resort: a failure on one answer must not stop a run
+        _count("errors")
+        return GradeResult(0.0, None, "none", "error", _clip(gold), error=f"grader error: {type(e).__name__}: {_clip(e)}")
+
+
+def _clip(x: object, n: int = 200) -> str:
+    """``str(x)[:n]`` for an error message, whatever ``x`` is."""
+    try:
+        return str(x)[:n]
+    except Exception:  # noqa: BLE001 - a __str__ that raises, or an int too long to print
+        return f"<unprintable {type(x).__name__}>"
+
+
+def _grade(task: str, completion: str, gold: str, timeout_s: float | None, strict: bool) -> GradeResult:
+    limit = _config.max_completion_chars
+    if len(completion) > limit or len(str(gold)) > limit:  # before the cached _gold: no huge cache keys
+        _count("too_long")
+        which = "completion" if len(completion) > limit else "gold"
+        return GradeResult(0.0, None, "none", "skipped", _clip(gold), error=f"{which} too long")
+    spec, gold_n, gold_v = _gold(task, gold)
     answer, method = extract_answer(completion)
     if answer is None:
         _count("no_answer")
         return GradeResult(0.0, None, method, "skipped", gold_n)
+    if len(answer) > _config.max_answer_chars or len(gold_n) > _config.max_answer_chars:
+        _count("too_long")
+        which = "answer" if len(answer) > _config.max_answer_chars else "gold"
+        return GradeResult(0.0, answer[:200], method, "skipped", gold_n[:200], error=f"{which} too long")
 
     pred_v = plain_number(answer)
     if pred_v is not None and gold_v is not None:
@@ -256,9 +316,6 @@ def grade(task: str, completion: str, gold: str, *, timeout_s: float | None = No
     if not spec.symbolic:
         _count("fast")
         return GradeResult(0.0, answer, method, "fast", gold_n, error="not a plain number")
-    if len(answer) > _config.max_answer_chars:
-        _count("too_long")
-        return GradeResult(0.0, answer[:200], method, "skipped", gold_n, error="answer too long")
 
     _count("math_verify")
     try:

@@ -17,6 +17,11 @@ The answer is, in order of precedence (``extract_answer``):
 4. ``last_number`` the last number in the text (a lenient fallback for unformatted answers);
 
 otherwise there is no answer (method ``none``), which scores 0.
+
+Every function here is total on strings: hostile text (a 10**5-digit integer, 10**4 nested
+braces, NUL bytes, any unicode) gives an answer or None, never an exception. Numbers longer than
+``MAX_NUMBER_CHARS`` are not plain numbers, since ``int()`` of a long digit string raises
+(``sys.get_int_max_str_digits()``: 4300 digits by default, 640 at the lowest setting).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from typing import NamedTuple
 # Only the last few \boxed{ occurrences are tried, so a completion made of thousands of unclosed
 # "\boxed{" costs a bounded number of linear scans.
 _MAX_BOXED_TRIES = 8
+# Below the lowest digit limit Python allows for int(str) (640), so the conversion cannot raise
+# whatever the process sets; no benchmark answer is anywhere near this long.
+MAX_NUMBER_CHARS = 600
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
@@ -48,25 +56,37 @@ class Extraction(NamedTuple):
     method: str  # boxed | hash | answer_is | last_number | none
 
 
-def _closing_brace(text: str, start: int) -> int | None:
-    """Index of the ``}`` closing the group that starts right after ``text[start - 1] == '{'``."""
-    depth = 1
-    for m in _BRACE.finditer(text, start):
-        depth += 1 if m.group() == "{" else -1
-        if depth == 0:
-            return m.start()
-    return None
+def _closing_braces(text: str, starts: list[int]) -> dict[int, int]:
+    """``{start: index of the }`` closing the group opened at ``text[start - 1]``}`` for the
+    ``starts`` that close, in one pass over the braces from the first of them (a stack of open
+    groups), so trying several starts costs one scan, not one each. Stops once the last start
+    (the one preferred) is closed."""
+    wanted, last = set(starts), starts[-1]
+    found: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE.finditer(text, starts[0] - 1):
+        if m.group() == "{":
+            stack.append(m.end())
+        elif stack:  # a "}" with nothing open closes nothing
+            start = stack.pop()
+            if start in wanted:
+                found[start] = m.start()
+                if start == last:
+                    break
+    return found
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
     if "\\boxed" not in text and "\\fbox" not in text:
         return None
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts[-_MAX_BOXED_TRIES:]):
-        end = _closing_brace(text, start)
-        if end is not None:
-            return text[start:end].strip()
+    starts = [m.end() for m in _BOXED.finditer(text)][-_MAX_BOXED_TRIES:]
+    if not starts:
+        return None
+    ends = _closing_braces(text, starts)
+    for start in reversed(starts):
+        if start in ends:
+            return text[start : ends[start]].strip()
     return None
 
 
@@ -86,8 +106,8 @@ def hash_answer(text: str) -> str | None:
 def answer_is(text: str) -> str | None:
     """The text after the last "answer is", up to the end of its sentence or line."""
     last = None
-    for last in _ANSWER_IS.finditer(text):
-        pass
+    for m in _ANSWER_IS.finditer(text):
+        last = m
     if last is None:
         return None
     phrase = last.group(1)
@@ -101,8 +121,8 @@ def answer_is(text: str) -> str | None:
 def last_number(text: str) -> str | None:
     """The last number in ``text`` (thousands commas kept), or None."""
     last = None
-    for last in _NUMBER_IN_TEXT.finditer(text):
-        pass
+    for m in _NUMBER_IN_TEXT.finditer(text):
+        last = m
     return last.group() if last is not None else None
 
 
@@ -134,7 +154,10 @@ def plain_number(s: str) -> int | Fraction | None:
     or None for anything else (fractions, units, LaTeX: those go to math-verify).
 
     This is the grader's fast path: no LaTeX is interpreted, only digits, sign, thousands
-    commas, decimals, math-mode dollars and a currency sign are understood."""
+    commas, decimals, math-mode dollars and a currency sign are understood. Longer than
+    ``MAX_NUMBER_CHARS``: None (math-verify, or the grader's length cap, decides)."""
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
     if _PLAIN_INT.fullmatch(s):  # the common case, checked first for speed
         return int(s)
     s = strip_math_delimiters(s)

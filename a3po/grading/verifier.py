@@ -141,7 +141,7 @@ class Verifier:
             try:
                 write_frame(proc.stdin.fileno(), {"g": gold, "p": pred, "t": timeout_s})
                 reply = read_frame(proc.stdout.fileno(), time.monotonic() + timeout_s + self.grace_s)
-            except (TimeoutError, BrokenPipeError, OSError):
+            except (TimeoutError, OSError, ValueError):  # ValueError: a frame that is not JSON
                 reply = None
             if reply is None:  # the supervisor itself failed: start afresh next time
                 self._kill()

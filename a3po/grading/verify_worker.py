@@ -81,6 +81,9 @@ class GoldNotParsed(ValueError):
     pass
 
 
+GOLD_NOT_PARSED = "math-verify could not parse the gold"  # how its error reads to callers
+
+
 def equivalent(gold: str, pred: str) -> bool:
     """True when math-verify finds ``pred`` equal to ``gold`` (both bare answers, not completions);
     raises ``GoldNotParsed`` when the gold cannot be read (a bad gold, or an evaluator short of
@@ -89,7 +92,7 @@ def equivalent(gold: str, pred: str) -> bool:
 
     g = _parse_gold(gold)
     if not g:  # math-verify swallows its errors (MemoryError included): an unread gold decides nothing
-        raise GoldNotParsed(f"math-verify could not parse the gold {gold[:80]!r}")
+        raise GoldNotParsed(f"{GOLD_NOT_PARSED} {gold[:80]!r}")
     p = _parse(pred)
     if not p:
         return False
@@ -324,7 +327,7 @@ def serve(in_fd: int, out_fd: int, memory_limit_mb: int) -> None:
                 reply = {"ok": False, "timeout": True, "err": None}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))
-            except (ChildProcessError, BrokenPipeError):
+            except (ChildProcessError, OSError, ValueError):  # ValueError: a reply that is not JSON
                 reply = {"ok": False, "timeout": False, "err": "evaluator died"}
                 child.kill()
                 child = _Child(memory_limit_mb, (in_fd, out_fd))

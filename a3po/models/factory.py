@@ -106,17 +106,42 @@ def load_pretrained(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Any causal LM and its tokenizer from a local directory or hub name, on ``device`` in
-    ``dtype`` (FileNotFoundError naming a local-looking path that does not exist)."""
+    ``dtype`` (FileNotFoundError naming a local-looking path that does not exist, or a local
+    folder without tokenizer files; the tokenizer is loaded first, so either fails before the
+    weights are read)."""
     source = _source(name_or_path)
     tokenizer = _load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     return model.eval(), tokenizer
 
 
+# Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece, tiktoken); a
+# folder with none of them is a model saved without its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _check_tokenizer_files(folder: Path) -> None:
+    """FileNotFoundError naming ``folder``, the files a tokenizer needs and those it holds, when
+    it has no vocabulary file: AutoTokenizer would otherwise build a tokenizer of one token from
+    config.json alone, and the run would fail much later ("prompt 0 is empty")."""
+    if any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return
+    held = sorted(f.name for f in folder.iterdir())
+    shown = ", ".join(held[:20]) + (f", ... ({len(held)} files)" if len(held) > 20 else "")
+    raise FileNotFoundError(
+        f"model folder {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} or *.tiktoken "
+        f"(it holds: {shown or 'nothing'}); save the tokenizer there too (tokenizer.save_pretrained, "
+        f"which also writes tokenizer_config.json) or copy its files from the base model"
+    )
+
+
 def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     """AutoTokenizer, except for a tokenizer saved from a bare ``tokenizer.json`` (the in-code
     one): AutoTokenizer would pick the model type's tokenizer class (Qwen2Tokenizer) and
-    replace its pre-tokenizer, silently changing the ids."""
+    replace its pre-tokenizer, silently changing the ids. A local folder without tokenizer files
+    raises FileNotFoundError naming it, before any weights are read."""
+    if Path(source).is_dir():
+        _check_tokenizer_files(Path(source))
     cfg_file = Path(source) / "tokenizer_config.json"
     if cfg_file.exists():
         tok_class = json.loads(cfg_file.read_text()).get("tokenizer_class")
@@ -126,6 +151,8 @@ def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
             tokenizer = AutoTokenizer.from_pretrained(source)
     else:
         tokenizer = AutoTokenizer.from_pretrained(source)
+    if len(tokenizer) < 2:  # whatever the files said, nothing can be tokenised with it
+        raise ValueError(f"the tokenizer loaded from {source} has {len(tokenizer)} token(s); its files are incomplete")
     if tokenizer.pad_token_id is None:
         # Many chat models ship without a pad token; padding is always masked, so eos serves.
         tokenizer.pad_token = tokenizer.eos_token
