@@ -15,7 +15,16 @@ import math
 import pytest
 import torch
 
-from a3po.config import ConfigError, OppoConfig, preset, with_overrides
+from a3po.config import (
+    ConfigError,
+    OppoConfig,
+    config_from_dict,
+    config_to_dict,
+    effective_max_staleness,
+    preset,
+    proximal_method_name,
+    with_overrides,
+)
 from a3po.data.arithmetic import WORDS
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
@@ -128,7 +137,7 @@ def test_intra_ppo_run_equals_intra_off_and_uses_the_streamed_tensors(core_stub_
     assert on_counts["scorer_reference"] >= steps * 2  # a prefill and at least one chunk per batch
     skip = ("perf/", "time/", "prox/time_s", "oppo/")
     compared = 0
-    for step, (a, b) in enumerate(zip(on.history, off.history)):
+    for step, (a, b) in enumerate(zip(on.history, off.history, strict=True)):
         keys = {k for k in b if not k.startswith(skip)}
         assert keys == {k for k in a if not k.startswith(skip)}
         bad = {k: (a[k], b[k]) for k in keys if not (abs(a[k] - b[k]) <= COUNT_TOL[k] if k in COUNT_TOL else _close(a[k], b[k]))}
@@ -151,7 +160,10 @@ def test_intra_config_refusals(overrides, match):
 
 def test_intra_config_accepted_on_the_ppo_path():
     cfg = with_overrides(preset("micro"), oppo={"intra": True}, **PPO_MICRO)
-    assert cfg.oppo.intra and cfg.ppo.critic == "policy_copy"
+    # The form a checkpoint saves reads back to the same config, checked again on the way.
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    # Intra on the synchronous PPO path stays on-policy: no producer lead, behaviour = proximal.
+    assert (effective_max_staleness(cfg.rl), proximal_method_name(cfg.rl)) == (0, "behaviour")
 
 
 class _Crash(Exception):

@@ -79,10 +79,16 @@ def test_resumed_run_continues_the_chunk_tuners_schedule(core_stub_rewards, micr
     at4 = _tuner_state(ckpt, 4)
     best = at4["best"]
     assert (at4["probe"], sorted(at4["costs"], key=int), at4["exploit_steps"], at4["probes"]) == ([], ["1", "2", "4"], 1, 1)
-    assert best == int(min(at4["costs"], key=lambda c: (at4["costs"][c], int(c))))
 
     res = _run(micro_warmstart[0], ckpt)
     assert res.resumed_from == 4 and len(res.history) == 8
+    # The probe's costs from what steps 1-3 logged (chunk 1, 2, 4): a step's cost is its
+    # producing time per generated token, i.e. (generate-and-score time - score time) over
+    # (mean answer length x 8 answers: 4 prompts x group 2). The best chunk is the cheapest.
+    probed = zip((1, 2, 4), res.history[:3], strict=True)
+    hand = {str(c): (m["perf/gen_time_s"] - m["perf/score_s"]) / (m["response/length_mean"] * 8) for c, m in probed}
+    assert at4["costs"] == pytest.approx(hand, rel=1e-6)
+    assert best == int(min(hand, key=hand.get))
     lengths = [m["response/length_mean"] for m in res.history]
     probe_len = sum(lengths[:3]) / 3
     assert all(abs(x - probe_len) <= 0.25 * max(probe_len, 1.0) for x in lengths[3:5]), lengths  # no early re-probe
