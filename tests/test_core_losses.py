@@ -3,7 +3,8 @@
 Loss per token (``a3po/algorithms/losses.py``): ``l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps_high))``
 with ``r_t = exp(logp_t - prox_t)`` and ``w_t = exp(prox_t - behav_t)``; tokens with
 ``w_t > cap`` are dropped; ``L = sum_t keep_t l_t / N`` with ``N = mask.sum()`` (dropped tokens
-still count). Hence ``dL/dlogp_t = -(w_t A_t r_t) / N`` where the unclipped branch is active and
+still count), or ``N = n_tokens`` when given (a data-parallel rank passes the whole minibatch's
+count). Hence ``dL/dlogp_t = -(w_t A_t r_t) / N`` where the unclipped branch is active and
 ``0`` where the clipped one is (or the token is dropped or masked).
 
 Most tests run in float64 so hand-computed numbers can be compared to ~1e-12.
