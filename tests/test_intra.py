@@ -31,7 +31,9 @@ from a3po.models.logprobs import token_logprobs
 from a3po.oppo.intra import IntraScoring
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.ppo_parts import reward_model_scores, token_values
+from tests.support.cli_runs import TIMING
 from tests.support.ppo_parts import micro_ppo_parts
+from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -166,10 +168,6 @@ def test_intra_config_accepted_on_the_ppo_path():
     assert (effective_max_staleness(cfg.rl), proximal_method_name(cfg.rl)) == (0, "behaviour")
 
 
-class _Crash(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_resumed_intra_run_equals_uninterrupted_run(core_stub_rewards, micro_warmstart, tmp_path):
     """Loglinear, s = 1: the producer regenerates batch 4 after the resume on policy version 3
@@ -189,16 +187,7 @@ def test_resumed_intra_run_equals_uninterrupted_run(core_stub_rewards, micro_war
         return rl_train(cfg, model, tok, train, held[:4], ckpt_dir=ckpt_dir, warmstart_acc=0.0, progress=progress)
 
     full = run(str(tmp_path / "full"))
-
-    def crash_at_5(step, metrics):
-        if step == 5:
-            raise _Crash()
-
-    with pytest.raises(_Crash):
-        run(str(tmp_path / "resumed"), crash_at_5)
-    resumed = run(str(tmp_path / "resumed"))
+    resumed = run_interrupted_and_resumed(run, tmp_path / "resumed", kill_at=5)
     assert resumed.resumed_from == 4
-    skip = ("perf/", "time/", "prox/time_s", "oppo/")
-    strip = lambda h: [{k: v for k, v in m.items() if not k.startswith(skip)} for m in h]  # noqa: E731
-    assert strip(resumed.history) == strip(full.history)
+    assert_same_final_state(resumed, full, skip=TIMING + ("oppo/",))
     assert full.history[-1]["ppo/kl"] > 0

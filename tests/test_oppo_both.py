@@ -20,7 +20,9 @@ from a3po.oppo.overcommit import DeltaController, OverlapProducer
 from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.ppo_parts import build_critic, reward_model_scores, token_values
+from tests.support.cli_runs import TIMING
 from tests.support.ppo_parts import micro_ppo_parts
+from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -244,25 +246,12 @@ def test_ppo_run_with_both_trains_on_streamed_figures_of_carried_answers(core_st
     assert res.history[-1]["ppo/kl"] > 0
 
 
-class _Crash(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_resumed_run_with_both_equals_uninterrupted_run(core_stub_rewards, tmp_path):
     """Crash after step 5, resume from the step-4 checkpoint (carry-over buffer with the done
     samples' streamed figures, critic history): the same per-step figures as one uninterrupted run."""
     full = _run()
     assert full.history[3]["oppo/carried"] > 0  # the step-4 checkpoint holds a carry-over
-
-    def crash_at_5(step, metrics):
-        if step == 5:
-            raise _Crash()
-
-    with pytest.raises(_Crash):
-        _run(str(tmp_path), crash_at_5)
-    resumed = _run(str(tmp_path))
+    resumed = run_interrupted_and_resumed(_run, tmp_path, kill_at=5)
     assert resumed.resumed_from == 4
-    skip = ("perf/", "time/", "prox/time_s", "oppo/scorer_busy_s/")
-    strip = lambda h: [{k: v for k, v in m.items() if not k.startswith(skip)} for m in h]  # noqa: E731
-    assert strip(resumed.history) == strip(full.history)
+    assert_same_final_state(resumed, full, skip=TIMING + ("oppo/scorer_busy_s/",))
