@@ -42,25 +42,14 @@ def shared_data() -> Path:
 # --- a3po core tests (tests/test_core_*.py): a reward stand-in, used only where requested ---
 
 
-def _core_digit_reward(task: str, completions: list[str], golds: list[str], ids: list[str] | None = None) -> list[float]:
-    """Fraction of a completion's characters that are digits: deterministic, in [0, 1], and
-    varied on a random micro model (where the real grader scores every sample 0, so the loss
-    and its gradient would be identically 0 and a determinism test would prove nothing)."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+@pytest.fixture
+def core_stub_rewards(monkeypatch):
+    """Replace the grader behind RL rewards and held-out accuracy for one test
+    (:func:`tests.support.rewards.stub_rewards`); returns the stand-in reward function."""
+    from tests.support.rewards import digit_reward, stub_rewards
 
-
-@pytest.fixture(scope="module")
-def core_stub_rewards():
-    """Replace the grader behind RL rewards and held-out accuracy (``a3po.grading.score`` via
-    ``a3po.grading.rewards.score_completions``, imported by name in trainer and evaluate) for a module."""
-    import a3po.grading.rewards
-    import a3po.training.heldout
-    import a3po.training.loop
-
-    with pytest.MonkeyPatch.context() as mp:
-        for mod in (a3po.grading.rewards, a3po.training.loop, a3po.training.heldout):
-            mp.setattr(mod, "score_completions", _core_digit_reward)
-        yield _core_digit_reward
+    stub_rewards(monkeypatch)
+    return digit_reward
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,10 @@ def test_bench_runs_and_ends_with_one_json_line(capsys):
                 "step_time_recompute_s", "step_time_loglinear_s", "step_speedup_loglinear_vs_recompute", "command"]:
         assert key in last
     assert last["command"] == "python -m bench.prox_logp " + " ".join(ARGS)
-    assert last["params"] == 15_104  # the micro model
+    # The micro model (hidden 32, 1 layer, 2 heads of 16, kv heads 2, MLP 64, vocabulary 146, tied
+    # embeddings): embedding 146*32 = 4,672 (counted once) + final norm 32 + one layer of
+    # q, k, v 3*(32*32 + 32) = 3,168, o 32*32 = 1,024, MLP 3*32*64 = 6,144, 2 norms 64 = 10,400.
+    assert last["params"] == 4_672 + 32 + 10_400  # 15,104
     for key, value in last.items():
         if key.endswith("_s") or "speedup" in key:
             assert math.isfinite(value) and value > 0, key
@@ -102,16 +105,18 @@ def test_gpu_smoke_argument_checks():
 
 # --- bench.peer_trl: TRL is optional ---------------------------------------------------------
 
-def test_peer_bench_says_how_to_install_trl_when_it_is_missing():
+def test_peer_bench_says_how_to_install_trl_when_it_is_missing(monkeypatch):
     import importlib.util
+    import sys
 
     from bench.peer_trl import trl_missing
 
     if importlib.util.find_spec("trl") is not None:
         assert trl_missing() is None
-    else:
-        msg = trl_missing()
-        assert "TRL is not installed" in msg and "pip install -e '.[bench]'" in msg
+    # A None entry in sys.modules makes `import trl` raise ImportError, as on a machine without TRL.
+    monkeypatch.setitem(sys.modules, "trl", None)
+    msg = trl_missing()
+    assert msg is not None and "TRL is not installed" in msg and "pip install -e '.[bench]'" in msg
 
 
 # --- bench.training_forward ------------------------------------------------------------------

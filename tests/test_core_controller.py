@@ -30,6 +30,7 @@ from a3po.models.factory import build_tiny_model
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, Stopped, WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.loop import rl_train
+from tests.support.rewards import stub_rewards
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -201,8 +202,10 @@ def _algorithmic(history):
 
 
 @pytest.fixture(scope="module")
-def two_runs(core_one_thread, core_stub_rewards):
-    return _micro_run(), _micro_run()
+def two_runs(core_one_thread):
+    with pytest.MonkeyPatch.context() as mp:
+        stub_rewards(mp)
+        return _micro_run(), _micro_run()
 
 
 def test_micro_run_staleness_per_step_follows_the_schedule(core_stub_rewards, two_runs):

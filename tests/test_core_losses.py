@@ -3,7 +3,8 @@
 Loss per token (``a3po/algorithms/losses.py``): ``l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps_high))``
 with ``r_t = exp(logp_t - prox_t)`` and ``w_t = exp(prox_t - behav_t)``; tokens with
 ``w_t > cap`` are dropped; ``L = sum_t keep_t l_t / N`` with ``N = mask.sum()`` (dropped tokens
-still count). Hence ``dL/dlogp_t = -(w_t A_t r_t) / N`` where the unclipped branch is active and
+still count), or ``N = n_tokens`` when given (a data-parallel rank passes the whole minibatch's
+count). Hence ``dL/dlogp_t = -(w_t A_t r_t) / N`` where the unclipped branch is active and
 ``0`` where the clipped one is (or the token is dropped or masked).
 
 Most tests run in float64 so hand-computed numbers can be compared to ~1e-12.
@@ -66,6 +67,37 @@ def test_hand_computed_value_and_gradient_with_clipping_cap_and_mask():
     assert metrics["loss/policy"] == pytest.approx(-0.225, abs=1e-12)
 
 
+def test_data_parallel_halves_with_the_whole_token_count_add_up_to_the_whole_minibatch():
+    # A minibatch of two rows split over two data-parallel ranks, one row each; each rank passes
+    # the all-reduced token count N = 4 as n_tokens. eps = 0.2, advantages one per row.
+    #  row t   r    A    w    mask  branch                               l_t = w*max(...)       N*dL/dlogp = -w*A*r
+    #  0   0  1.1  +1   1.0   yes   inside [0.8, 1.2]: unclipped          -1.10                  -1.10
+    #  0   1  0.9  +1   1.0   yes   inside: unclipped                     -0.90                  -0.90
+    #  0   2  1.0  +1   1.0   yes   inside: unclipped                     -1.00                  -1.00
+    #  1   0  1.5  -1   0.5   yes   A<0, r>1.2: unclipped (pessimistic)   0.5*1.5 = 0.75         +0.75
+    #  1   1,2                no    right padding                         0                       0
+    # Whole minibatch: L = (-3.0 + 0.75) / 4 = -0.5625. Rank 0: -3.0 / 4 = -0.75; rank 1: 0.75 / 4 = 0.1875;
+    # -0.75 + 0.1875 = -0.5625. Each rank's own count instead (3 and 1) would give -1.0 + 0.75 = -0.25.
+    # Gradients: -1.1/4 = -0.275, -0.9/4 = -0.225, -1.0/4 = -0.25 (row 0); 0.75/4 = 0.1875 (row 1).
+    rows = [
+        _tensors(r=[1.1, 0.9, 1.0], adv=[1.0] * 3, w=[1.0] * 3, mask=[True] * 3),
+        _tensors(r=[1.5, 1.0, 1.0], adv=[-1.0] * 3, w=[0.5] * 3, mask=[True, False, False]),
+    ]
+    whole = [torch.cat([a, b]) for a, b in zip(*rows, strict=True)]
+    whole[0] = whole[0].detach().requires_grad_()
+    loss, grad, _ = _loss_and_grad(*whole, eps_clip=0.2)
+    assert loss == pytest.approx(-0.5625, abs=1e-12)
+    assert grad[0] + grad[1] == pytest.approx([-0.275, -0.225, -0.25, 0.1875, 0.0, 0.0], abs=1e-12)
+    # The count arrives as an all-reduced tensor on a real rank; an int is accepted too.
+    halves = [_loss_and_grad(*rows[0], eps_clip=0.2, n_tokens=torch.tensor(4.0, dtype=D)), _loss_and_grad(*rows[1], eps_clip=0.2, n_tokens=4)]
+    assert [h[0] for h in halves] == pytest.approx([-0.75, 0.1875], abs=1e-12)
+    assert halves[0][0] + halves[1][0] == pytest.approx(loss, abs=1e-12)
+    assert halves[0][1] + halves[1][1] == pytest.approx(grad[0] + grad[1], abs=1e-12)
+    # Without n_tokens each half is its own token mean: the sum is not the minibatch's loss.
+    own = [_loss_and_grad(*r, eps_clip=0.2)[0] for r in rows]
+    assert own == pytest.approx([-1.0, 0.75], abs=1e-12)
+
+
 def test_per_sequence_advantages_broadcast_over_tokens():
     t = _tensors(r=[1.1, 0.9], adv=[2.0, 2.0], w=[1.0, 1.0], mask=[True, True])
     logp, prox, behav, adv, mask = t
@@ -102,7 +134,10 @@ def test_eps_clip_high_asymmetry(r, adv, eps_high, value, grad):
 @st.composite
 def loss_case(draw):
     n = draw(st.integers(min_value=1, max_value=16))
-    floats = lambda lo, hi: st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)
+
+    def floats(lo, hi):
+        return st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)
+
     r = draw(floats(0.3, 3.0))
     adv = draw(floats(-2.0, 2.0))
     w = draw(floats(0.1, 10.0))

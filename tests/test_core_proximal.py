@@ -152,6 +152,30 @@ def test_registered_loglinear_never_calls_recompute_and_matches_the_formula_on_t
     assert metrics == {}
 
 
+def test_metrics_method_trains_on_the_recomputed_logp_and_reports_the_loglinear_error_by_hand():
+    method = PROXIMAL_METHODS.get("metrics")
+    assert method.needs_forward is True and method.checks_behaviour is True
+    #  token  d   behav  theta  loglinear prox                 exact (recomputed)   diff = approx - exact   |exp(diff) - 1|
+    #  0      -   0      0      (prompt, not on the mask)       9.0                  ignored                 ignored
+    #  1      1   -1     -3     a = 1: behav = -1              -1 - ln 2             +ln 2 = 0.693147        |2 - 1| = 1
+    #  2      2   -1     -3     a = 1/2: (-1 - 3)/2 = -2       -2 + ln 2             -ln 2                   |1/2 - 1| = 0.5
+    #  3      0   -0.5   -4     d = 0 anchors on behav: -0.5   -0.5                  0                       0
+    # approx_abs_err = (ln 2 + ln 2 + 0) / 3 = 0.462098; approx_iw_err = (1 + 0.5 + 0) / 3 = 0.5
+    # (the sign of the log error matters for the weight error: +ln 2 and -ln 2 give 1 and 0.5).
+    ln2 = math.log(2.0)
+    exact = torch.tensor([[9.0, -1.0 - ln2, -2.0 + ln2, -0.5]])
+    behav = torch.tensor([[0.0, -1.0, -1.0, -0.5]])
+    theta = torch.tensor([[0.0, -3.0, -3.0, -4.0]])
+    d = torch.tensor([[-1, 1, 2, 0]])
+    mask = torch.tensor([[False, True, True, True]])
+    prox, metrics = method(_inputs(behav, theta, d, mask, recompute=lambda: exact))
+    assert torch.equal(prox, exact)  # it trains with the exact proximal log-probs
+    assert metrics == pytest.approx({"prox/approx_abs_err": 2 * ln2 / 3, "prox/approx_iw_err": 0.5}, abs=1e-6)
+    # No generated token: nothing to compare, both errors are 0.
+    _, none = method(_inputs(behav, theta, d, torch.zeros_like(mask), recompute=lambda: exact))
+    assert none == {"prox/approx_abs_err": 0.0, "prox/approx_iw_err": 0.0}
+
+
 def test_registered_loglinear_ignores_non_finite_values_outside_the_mask():
     # A prompt or pad token's log-prob may be -inf (outside a top-p nucleus) or garbage: the
     # loss ignores it, so the proximal method must too, instead of refusing the batch.

@@ -34,17 +34,13 @@ from a3po.storage.checkpoint import CheckpointError, NoIntactCheckpoint, load_ch
 from a3po.storage.runlock import LOCK_NAME
 from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
 from a3po.training.run import prepare_warmstart, train_variant
+from tests.support.resume import Crash, assert_same_final_state, crash_after, without_timing
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
 RL = {"steps": STEPS, "checkpoint_every": 2, "keep_checkpoints": 3, "eval_every": 4}
-TIMING = ("perf/", "time/", "prox/time_s")
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
-
-
-class _Interrupt(Exception):
-    pass
 
 
 def _cfg():
@@ -57,10 +53,6 @@ def _train(run_dir: Path, ws, progress=None):
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "final" / "model.safetensors")
-
-
-def _without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -78,13 +70,9 @@ def runs(tmp_path_factory):
     ref = root / "reference"
     ref_result = _train(ref, ws)
 
-    def stop_at_7(step, _metrics):
-        if step == 7:  # after the step-6 checkpoint; metrics.jsonl already has step 7
-            raise _Interrupt()
-
     base = root / "interrupted"
-    with pytest.raises(_Interrupt):
-        _train(base, ws, progress=stop_at_7)
+    with pytest.raises(Crash):  # after step 7: the step-6 checkpoint is written, metrics.jsonl has step 7
+        _train(base, ws, progress=crash_after(7))
     assert sorted(p.name for p in (base / "checkpoints").glob("step_*")) == ["step_000002", "step_000004", "step_000006"]
     return ws, ref, ref_result, base
 
@@ -99,13 +87,10 @@ def run_copy(runs, tmp_path):
 
 def _assert_equals_reference(result, run: Path, ref: Path, ref_result) -> None:
     """Same final weights, same per-step record, and metrics.jsonl holds steps 1..8 once."""
-    ref_w, w = _final_weights(ref), _final_weights(run)
-    assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in ref_w)
-    assert _without_timing(result.history) == _without_timing(ref_result.history)
-    assert result.eval_curve == ref_result.eval_curve
+    assert_same_final_state((result, _final_weights(run)), (ref_result, _final_weights(ref)))
     rows = read_metrics_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert _without_timing(rows) == _without_timing(read_metrics_jsonl(ref / "metrics.jsonl"))
+    assert without_timing(rows) == without_timing(read_metrics_jsonl(ref / "metrics.jsonl"))
 
 
 def test_reference_run_learned_something(runs):

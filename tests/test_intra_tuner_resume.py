@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from a3po.config import preset, with_overrides
+from tests.support.resume import Crash, crash_after
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -34,10 +35,6 @@ CFG = with_overrides(
 )
 
 
-class _Crash(Exception):
-    pass
-
-
 @pytest.fixture(scope="module")
 def micro_warmstart(tmp_path_factory):
     from a3po.training.run import prepare_warmstart
@@ -45,17 +42,14 @@ def micro_warmstart(tmp_path_factory):
     return prepare_warmstart(preset("micro"), tmp_path_factory.mktemp("cache"), log=lambda s: None)
 
 
-def _run(ws_dir: str, ckpt_dir: Path, crash_after: int | None = None):
+def _run(ws_dir: str, ckpt_dir: Path, crash_at: int | None = None):
     from a3po.data.datasets import load_rows
     from a3po.models.factory import load_pretrained
     from a3po.training.loop import rl_train
 
-    def progress(step, metrics):
-        if step == crash_after:
-            raise _Crash()
-
     model, tok = load_pretrained(ws_dir)
     train, held, _ = load_rows(CFG.data, tok)
+    progress = crash_after(crash_at) if crash_at is not None else None
     return rl_train(CFG, model, tok, train, held[:4], ckpt_dir=str(ckpt_dir), warmstart_acc=0.0, progress=progress)
 
 
@@ -67,22 +61,28 @@ def _tuner_state(ckpt_dir: Path, step: int) -> dict:
 
 def test_resumed_run_continues_the_chunk_tuners_schedule(core_stub_rewards, micro_warmstart, tmp_path):
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(_Crash):
-        _run(micro_warmstart[0], ckpt, crash_after=3)
+    with pytest.raises(Crash):
+        _run(micro_warmstart[0], ckpt, crash_at=3)
     # After batch 2 (not after the batches the producer had made ahead): candidate 4 still to probe.
     at2 = _tuner_state(ckpt, 2)
     assert (at2["probe"], sorted(at2["costs"]), at2["probes"]) == ([4], ["1", "2"], 1)
 
-    with pytest.raises(_Crash):
-        _run(micro_warmstart[0], ckpt, crash_after=5)
+    with pytest.raises(Crash):
+        _run(micro_warmstart[0], ckpt, crash_at=5)
     # After batch 4: probe over (costs of all three), one exploit step done, on the cheapest.
     at4 = _tuner_state(ckpt, 4)
     best = at4["best"]
     assert (at4["probe"], sorted(at4["costs"], key=int), at4["exploit_steps"], at4["probes"]) == ([], ["1", "2", "4"], 1, 1)
-    assert best == int(min(at4["costs"], key=lambda c: (at4["costs"][c], int(c))))
 
     res = _run(micro_warmstart[0], ckpt)
     assert res.resumed_from == 4 and len(res.history) == 8
+    # The probe's costs from what steps 1-3 logged (chunk 1, 2, 4): a step's cost is its
+    # producing time per generated token, i.e. (generate-and-score time - score time) over
+    # (mean answer length x 8 answers: 4 prompts x group 2). The best chunk is the cheapest.
+    probed = zip((1, 2, 4), res.history[:3], strict=True)
+    hand = {str(c): (m["perf/gen_time_s"] - m["perf/score_s"]) / (m["response/length_mean"] * 8) for c, m in probed}
+    assert at4["costs"] == pytest.approx(hand, rel=1e-6)
+    assert best == int(min(hand, key=hand.get))
     lengths = [m["response/length_mean"] for m in res.history]
     probe_len = sum(lengths[:3]) / 3
     assert all(abs(x - probe_len) <= 0.25 * max(probe_len, 1.0) for x in lengths[3:5]), lengths  # no early re-probe
