@@ -20,8 +20,8 @@ from typing import Literal
 
 import pytest
 
-from a3po import config as config_mod
-from a3po.config import ConfigError, DataConfig, load_config, merge_yaml, preset, with_overrides
+from a3po.config import ConfigError, DataConfig, Variant, load_config, merge_yaml, preset, with_overrides
+from a3po.config import loading as config_loading
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import BadRowError, load_rows, read_jsonl
 from a3po.models.tokenizer import build_tokenizer
@@ -84,9 +84,10 @@ def test_int_field_refuses_fractions_and_bools_and_takes_integral_floats(tmp_pat
 
 def test_unknown_enum_value_lists_the_valid_ones(tmp_path):
     p = _yaml(tmp_path, "rl: {variant: fast}\n")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(p))}: rl\.variant: expected one of 'sync', 'recompute', 'loglinear', got 'fast' \(str\)$"):
+    expected = r"rl\.variant: expected one of 'sync', 'recompute', 'loglinear', got 'fast' \(str\)$"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(p))}: {expected}"):
         load_config(p)
-    assert load_config(_yaml(tmp_path, "rl: {variant: sync}\n", "ok.yaml")).rl.variant is config_mod.Variant.SYNC
+    assert load_config(_yaml(tmp_path, "rl: {variant: sync}\n", "ok.yaml")).rl.variant is Variant.SYNC
 
 
 def test_null_only_for_optional_fields(tmp_path):
@@ -159,7 +160,7 @@ class _Future:
 
 
 def test_generic_checker_on_field_types_no_config_has_yet():
-    build = config_mod._build
+    build = config_loading._build
     ok = build(_Future, {"flag": True, "dtype": "bfloat16", "ranks": [0, 1.0], "inner": {"level": 2}, "extra": {"a": "1e-3"}}, "f.yaml")
     assert ok == _Future(True, "bfloat16", (0, 1), _Inner(2), {"a": 1e-3})
     bad = [
@@ -256,7 +257,8 @@ def latin1_file(tmp_path) -> Path:
 
 
 def test_non_utf8_line_raises_naming_file_row_and_byte(latin1_file):
-    with pytest.raises(BadRowError, match=rf"^{re.escape(str(latin1_file))}: row 2: not valid UTF-8 \(byte {BAD_OFFSET} of the file: invalid continuation byte\)$"):
+    expected = rf"row 2: not valid UTF-8 \(byte {BAD_OFFSET} of the file: invalid continuation byte\)$"
+    with pytest.raises(BadRowError, match=rf"^{re.escape(str(latin1_file))}: {expected}"):
         read_jsonl(latin1_file)
 
 
