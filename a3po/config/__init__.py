@@ -1,0 +1,49 @@
+"""Typed configs for training, loadable from YAML. Invalid values raise when the config is
+built; derived values (e.g. the effective staleness bound of a variant) are functions, never
+written back into the config.
+
+* :mod:`~a3po.config.schema`   the sections (frozen dataclasses), their ranges and cross-field rules;
+* :mod:`~a3po.config.loading`  YAML files, dicts and overrides -> a checked :class:`TrainConfig`;
+* :mod:`~a3po.config.compat`   cache keys and which config changes a checkpoint resumes with;
+* :mod:`~a3po.config.presets`  the built-in configs by name.
+"""
+
+from a3po.config.compat import (
+    FIELDS_BEFORE_THEY_EXISTED,
+    RESUME_NEUTRAL_FIELDS,
+    config_differences,
+    data_identity,
+)
+from a3po.config.loading import (
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    load_yaml,
+    merge_yaml,
+    with_overrides,
+)
+from a3po.config.presets import PRESETS, preset
+from a3po.config.schema import (
+    WEIGHT_UPDATES,
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    OppoConfig,
+    PPOConfig,
+    RLConfig,
+    RolloutConfig,
+    TrainConfig,
+    Variant,
+    WarmStartConfig,
+    effective_max_staleness,
+    mid_batch_updates,
+    proximal_method_name,
+)
+
+__all__ = [
+    "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "WEIGHT_UPDATES", "ConfigError", "DataConfig",
+    "DistributedConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig", "RolloutConfig", "TrainConfig", "Variant",
+    "WarmStartConfig", "config_differences", "config_from_dict", "config_to_dict", "data_identity", "effective_max_staleness",
+    "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "with_overrides",
+]
