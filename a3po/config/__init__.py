@@ -5,7 +5,9 @@ written back into the config.
 * :mod:`~a3po.config.schema`   the sections (frozen dataclasses), their ranges and cross-field rules;
 * :mod:`~a3po.config.loading`  YAML files, dicts and overrides -> a checked :class:`TrainConfig`;
 * :mod:`~a3po.config.compat`   cache keys and which config changes a checkpoint resumes with;
-* :mod:`~a3po.config.presets`  the built-in configs by name.
+* :mod:`~a3po.config.presets`  the built-in configs by name;
+* :mod:`~a3po.config.preflight` what a config needs of the machine it runs on (packages, the DeepSpeed JSON),
+  checked where training starts, not when the config is built.
 """
 
 from a3po.config.compat import (
@@ -13,6 +15,7 @@ from a3po.config.compat import (
     RESUME_NEUTRAL_FIELDS,
     config_differences,
     data_identity,
+    warmstart_key,
 )
 from a3po.config.loading import (
     config_from_dict,
@@ -22,9 +25,10 @@ from a3po.config.loading import (
     merge_yaml,
     with_overrides,
 )
+from a3po.config.preflight import preflight
 from a3po.config.presets import PRESETS, preset
 from a3po.config.schema import (
-    WEIGHT_UPDATES,
+    ArithmeticDifficulty,
     ConfigError,
     DataConfig,
     DistributedConfig,
@@ -42,8 +46,8 @@ from a3po.config.schema import (
 )
 
 __all__ = [
-    "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "WEIGHT_UPDATES", "ConfigError", "DataConfig",
+    "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError", "DataConfig",
     "DistributedConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig", "RolloutConfig", "TrainConfig", "Variant",
     "WarmStartConfig", "config_differences", "config_from_dict", "config_to_dict", "data_identity", "effective_max_staleness",
-    "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "with_overrides",
+    "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "warmstart_key", "with_overrides",
 ]

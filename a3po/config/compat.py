@@ -5,11 +5,13 @@ keyed or compared so that caches and checkpoints made before them keep working."
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 from a3po.config.loading import config_to_dict
-from a3po.config.schema import DataConfig, TrainConfig
-from a3po.data.arithmetic import ArithmeticDifficulty
+from a3po.config.schema import ArithmeticDifficulty, DataConfig, TrainConfig
+from a3po.devices import resolve_device
 
 # Data fields added after cache keys were first published, with their defaults: left out of the
 # keys while at the default, so warm-start and dataset caches made before them keep their names.
@@ -63,3 +65,18 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
             out.append(dotted)
     return out
 
+
+def warmstart_key(cfg: TrainConfig) -> str:
+    """The warm start's cache key: a hash of what determines its weights and its held-out
+    figure, so every variant and seed of a comparison shares one warm start."""
+    # The held-out measure depends on the RL sampling settings, so they are part of the key.
+    measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
+    parts = {"model": dataclasses.asdict(cfg.model), "data": data_identity(cfg.data),
+             "warm_start": dataclasses.asdict(cfg.warm_start), "measure": measure}
+    # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
+    # made before devices were configurable keep their names.
+    runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
+    if runtime != {"device": "cpu", "dtype": "float32"}:
+        parts["runtime"] = runtime
+    blob = json.dumps(parts, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import re
+import reprlib
 import types
 from enum import Enum
 from functools import cache
@@ -19,10 +20,59 @@ import yaml
 
 from a3po.config.schema import ConfigError, TrainConfig
 
+# A config is a few hundred YAML nodes. Aliases let a few hundred bytes stand for billions
+# ("billion laughs"): nodes are counted as if every alias were expanded, and past this the text
+# is refused before anything walks (or prints) the expanded value.
+MAX_YAML_NODES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class YamlRefused(yaml.YAMLError):
+    """YAML that parses but is refused as a config (too large once its aliases are expanded)."""
+
+
+def _expanded_nodes(root: yaml.Node) -> int:
+    """Nodes under ``root`` with every alias expanded, counted in time linear in the distinct
+    nodes (an alias is the very node object it names: memoised by identity)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) not in sizes:
+            children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+                node.value if isinstance(node, yaml.SequenceNode) else [])
+            sizes[id(node)] = 1 + sum(size(c) for c in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise YamlRefused(f"refused: its aliases expand to more than {MAX_YAML_NODES} YAML nodes "
+                                  f"(line {node.start_mark.line + 1}); a config has a few hundred")
+        return sizes[id(node)]
+
+    return size(root)
+
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that reads ``1e-4`` as a float, as YAML 1.2 and ``--set`` do (YAML 1.1 wants
-    a dot, ``1.0e-4``, and PyYAML would return the string '1e-4')."""
+    a dot, ``1.0e-4``, and PyYAML would return the string '1e-4'); refuses a key repeated in a
+    mapping (PyYAML keeps the last silently) and text whose aliases expand past
+    :data:`MAX_YAML_NODES`."""
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_nodes(node)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # keys merged in by `<<` may be overridden; non-scalar keys fail later anyway
+                key = self.construct_object(key_node)
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {_short.repr(key)} (first at line {first_line[key] + 1})", key_node.start_mark)
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -36,6 +86,11 @@ def load_yaml(text: str) -> Any:
     """Parse YAML config text (files and ``--set`` values alike): safe, 1e-4 is a float."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
+
+# Values in error messages: bounded in depth and width, whatever the value holds.
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxlist, _short.maxtuple, _short.maxdict = 3, 8, 8, 8
+_short.maxstring, _short.maxother, _short.maxlong = 120, 120, 60
 
 # A number written as text (YAML 1.1 leaves 1e-4 a string). Not nan/inf: no field means them.
 _NUMERIC_TEXT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?")
@@ -61,7 +116,7 @@ def _describe(tp: Any) -> str:
 
 
 def _got(value: Any) -> str:
-    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+    return "null" if value is None else f"{_short.repr(value)} ({type(value).__name__})"
 
 
 def _check(tp: Any, value: Any, source: str, dotted: str) -> Any:
@@ -202,6 +257,10 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a config: nested too deeply") from None
+    except YamlRefused as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

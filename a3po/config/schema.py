@@ -8,9 +8,30 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from a3po.data.arithmetic import ArithmeticDifficulty
-from a3po.data.prompts import PROMPT_FORMATS, PromptFormat
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from a3po.algorithms.minibatches import MINIBATCH_SPLITS
+from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, PromptFormat, TaskName
 from a3po.devices import Device, DType
+
+# Seeds go to random.Random, torch.manual_seed and numpy alike, plus small offsets (per step, per
+# row): numpy takes [0, 2**32), so a config seed stays well inside it.
+MAX_SEED = 2**31 - 1
+# Intra-op threads: far above any core count wastes memory on idle OpenMP workers, and torch
+# crashes (not an error: a segfault) when asked for 100000. A fixed bound, not the cores of the
+# machine that builds the config: it may not be the one that trains.
+MAX_THREADS = 1024
+# An Adam step moves each weight by about lr: above 1 every step rewrites the weights.
+MAX_LR = 1.0
+
+
+class ConfigError(ValueError):
+    """A config value of the wrong type, out of range or unknown; the message starts with the
+    source (file, preset or 'overrides') and the dotted field, e.g. ``my.yaml: rl.lr: ...``."""
+
+
+def _seed_ok(seed: int) -> bool:
+    return 0 <= seed <= MAX_SEED
 
 
 class Variant(str, Enum):
@@ -32,6 +53,30 @@ class Variant(str, Enum):
 
 
 @dataclass(frozen=True)
+class ArithmeticDifficulty:
+    """The embedded task's operand ranges and teacher's slip rate (:mod:`a3po.data.arithmetic`
+    draws the problems; declared here so the data config's defaults come from one place). The
+    defaults put the warm-started tiny model at ~0.3 held-out accuracy (mean@4 at T = 0.7; ~0.5
+    greedy)."""
+
+    max_add: int = 9  # operands of + and - lie in [1, max_add]
+    max_mul: int = 5  # operands of * lie in [2, max_mul]
+    heldout_fraction: float = 0.2
+    slip_rate: float = 0.65
+    """Fraction of training solutions written by a careless teacher: the worked line and the
+    ``####`` line carry a result off by 1 or 2 (the gold stays right). Supervised learning on
+    them gives a policy that knows each fact but often writes a near miss; the verifiable
+    reward is what tells the two apart."""
+    long_tail_frac: float = 0.0
+    """Fraction of problems that are multi-step chains (buys / gives away, ``long_tail_steps``
+    operations) whose worked solution has one line per step: a few answers several times longer
+    than the rest, the long-tailed workload where OPPO's overlaps pay (docs/oppo.md). 0 draws
+    exactly the problems of earlier versions."""
+    long_tail_steps: int = 5
+
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "tiny"
     """A built-in architecture (micro, tiny, small: built from a Qwen2 config with the in-code
@@ -39,10 +84,16 @@ class ModelConfig:
     init_seed: int = 0
     """Seed of the random initialisation of built-in architectures."""
 
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("model.name must be a built-in architecture, a directory or a hub name, got ''")
+        if not _seed_ok(self.init_seed):
+            raise ValueError(f"model.init_seed must be in [0, {MAX_SEED}], got {self.init_seed}")
+
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "arith"
+    task: TaskName = "arith"
     """Reward/grader task name (see ``a3po.grading``): arith, gsm8k, math500, aime24."""
     train_path: str | None = None
     """JSONL of {id, prompt, gold} rows; None generates the embedded arithmetic task."""
@@ -66,7 +117,7 @@ class DataConfig:
     """Embedded task: operations in a long-tail problem (one worked line each)."""
     max_prompt_tokens: int = 96
     """Longest prompt, in tokens of the formatted prompt (chat template and instruction included)."""
-    on_bad_row: str = "error"
+    on_bad_row: Literal["error", "skip"] = "error"
     """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""
     prompt_format: PromptFormat = "auto"
     """How a row's prompt becomes the model input, in training, held-out evaluation and the
@@ -82,16 +133,17 @@ class DataConfig:
     """JSONL field holding the gold answer (GSM8K files: 'answer'; its '#### N' line is the gold)."""
 
     def __post_init__(self) -> None:
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"data.prompt_format must be one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
         if not (self.prompt_field and self.gold_field) or self.prompt_field == self.gold_field:
             raise ValueError("data.prompt_field and data.gold_field must be two different non-empty names")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.on_bad_row not in ("error", "skip"):
-            raise ValueError(f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
         if self.n_train < 1 or self.n_heldout < 1:
             raise ValueError("data.n_train and data.n_heldout must be >= 1")
+        if not _seed_ok(self.seed):
+            raise ValueError(f"data.seed must be in [0, {MAX_SEED}], got {self.seed}")
+        # Operands are drawn from [1, max_add] and [2, max_mul]: an empty range has no problem to draw.
+        if self.max_add < 1 or self.max_mul < 2:
+            raise ValueError(f"data.max_add must be >= 1 and data.max_mul >= 2, got {self.max_add}, {self.max_mul}")
         if not 0.0 <= self.teacher_slip_rate < 1.0:
             raise ValueError(f"data.teacher_slip_rate must be in [0, 1), got {self.teacher_slip_rate}")
         if not 0.0 <= self.long_tail_frac <= 1.0:
@@ -112,8 +164,11 @@ class WarmStartConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
-            raise ValueError("warm_start.steps must be >= 0, warm_start.batch_size >= 1 and warm_start.lr > 0")
+        if self.steps < 0 or self.batch_size < 1 or not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"warm_start.steps must be >= 0, warm_start.batch_size >= 1 and warm_start.lr in (0, {MAX_LR}], "
+                             f"got {self.steps}, {self.batch_size}, {self.lr}")
+        if not _seed_ok(self.seed):
+            raise ValueError(f"warm_start.seed must be in [0, {MAX_SEED}], got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +182,7 @@ class RLConfig:
     """Bound on how many versions the producer may run ahead (async variants; sync uses 0)."""
     lr: float = 1e-4
     lr_warmup_steps: int = 20
-    lr_schedule: str = "cosine"
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
     """After the warm-up: 'constant', or 'cosine' decay to ``lr_min_ratio * lr`` at ``steps``.
     The decay settles the policy for the final checkpoint: at a constant rate the tiny model's
     held-out accuracy swings by up to 0.2 between checkpoints 25 steps apart."""
@@ -144,18 +199,24 @@ class RLConfig:
     log-probs and gradients up to float rounding, at the cost of ``k * prompt + rows * response``
     token positions instead of ``rows * (prompt + response)``. False: one plain forward per row."""
     eps_clip: float = 0.2
+    """The trust region's lower side: ratios below ``1 - eps_clip`` are clipped; in (0, 1)."""
     eps_clip_high: float | None = None
+    """The upper side, ``1 + eps_clip_high`` (DAPO's clip-higher); null: ``eps_clip``."""
     behav_weight_cap: float | None = 5.0
     advantage: str = "grpo"
+    """Advantage estimator (``a3po.algorithms.advantages``); the group-relative ones (grpo,
+    dr_grpo) need ``group_size >= 2``."""
     proximal: str | None = None
     """Override the variant's proximal method (e.g. 'metrics' to log loglinear's error)."""
     max_new_tokens: int = 24
     temperature: float = 0.7
     top_p: float = 1.0
-    schedule: str = "deterministic"
+    schedule: Literal["deterministic", "threaded"] = "deterministic"
     """'deterministic': producer and trainer overlap in threads but meet at fixed points, so a
     run (and a resumed run) is reproducible bit for bit. 'threaded': free-running overlap."""
     grad_clip: float = 1.0
+    """Largest global gradient norm of an update (> 0). Not optional: to train unclipped, set a
+    norm no update reaches (e.g. 1e6)."""
     eval_samples: int = 4
     """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
     eval_every: int = 50
@@ -171,32 +232,36 @@ class RLConfig:
             raise ValueError(f"rl.max_staleness must be >= 0, got {self.max_staleness}")
         if self.minibatches < 1 or (self.batch_prompts * self.group_size) % self.minibatches:
             raise ValueError("rl.minibatches must divide batch_prompts * group_size")
-        if self.schedule not in ("deterministic", "threaded"):
-            raise ValueError(f"rl.schedule must be 'deterministic' or 'threaded', got {self.schedule!r}")
-        if self.eps_clip <= 0 or (self.eps_clip_high is not None and self.eps_clip_high <= 0):
-            raise ValueError("rl.eps_clip and rl.eps_clip_high must be > 0")
+        if not 0 < self.eps_clip < 1:
+            # 1 - eps_clip <= 0 is below every ratio: the lower clip would never act.
+            raise ValueError(f"rl.eps_clip must be in (0, 1), got {self.eps_clip}")
+        if self.eps_clip_high is not None and not 0 < self.eps_clip_high <= 10:
+            raise ValueError(f"rl.eps_clip_high must be in (0, 10] (a ratio of 11 is no trust region), got {self.eps_clip_high}")
+        if not self.grad_clip > 0:
+            # Clipping scales the gradient by grad_clip / norm: 0 zeroes every update, < 0 reverses it.
+            raise ValueError(f"rl.grad_clip must be > 0 (0 would zero every update and a negative one reverse it), got {self.grad_clip}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rl.max_new_tokens must be >= 1 (a response needs a token), got {self.max_new_tokens}")
         if self.behav_weight_cap is not None and self.behav_weight_cap <= 1:
             raise ValueError("rl.behav_weight_cap must be > 1 (or null for no cap)")
         if self.top_p != 1.0:
             # The trainer cannot score a stale token sampled outside the current nucleus (log 0),
             # and on-policy ratios would be the nucleus mass instead of 1.
             raise ValueError("rl.top_p must be 1.0 for training (use rl.temperature); top-p is for evaluation")
-        if self.lr <= 0 or self.lr_warmup_steps < 0:
-            raise ValueError("rl.lr must be > 0 and rl.lr_warmup_steps >= 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"rl.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if not 0 < self.lr <= MAX_LR or self.lr_warmup_steps < 0:
+            raise ValueError(f"rl.lr must be in (0, {MAX_LR}] and rl.lr_warmup_steps >= 0, got {self.lr}, {self.lr_warmup_steps}")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"rl.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
-        if self.temperature <= 0:
-            raise ValueError("rl.temperature must be > 0 (RL samples; greedy has no behaviour distribution)")
+        if not 0.01 <= self.temperature <= 100:
+            # RL samples (greedy has no behaviour distribution); near 0 the logits / T overflow,
+            # and far above 1 the samples are uniform noise.
+            raise ValueError(f"rl.temperature must be in [0.01, 100], got {self.temperature}")
         if self.eval_samples < 1:
             raise ValueError("rl.eval_samples must be >= 1")
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
-        from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
-        from a3po.algorithms.minibatches import MINIBATCH_SPLITS
-        from a3po.algorithms.proximal import PROXIMAL_METHODS
-
+        if not _seed_ok(self.seed):
+            raise ValueError(f"rl.seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),
                                       ("proximal", PROXIMAL_METHODS, self.proximal or self.variant.proximal_method),
                                       ("minibatch_split", MINIBATCH_SPLITS, self.minibatch_split)):
@@ -204,6 +269,10 @@ class RLConfig:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
                 raise KeyError(f"rl.{name}: {e.args[0]}") from None
+        if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
+            # A group of one is its own mean: every advantage would be 0 and nothing would learn.
+            raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
+                             "estimator needs rl.group_size >= 2 (each sample is compared with its group's others)")
 
 
 
@@ -248,8 +317,8 @@ class PPOConfig:
     ``a3po.training.reward_model``); its sigmoid is the reward."""
 
     def __post_init__(self) -> None:
-        if self.critic_lr <= 0 or self.vf_coef <= 0:
-            raise ValueError("ppo.critic_lr and ppo.vf_coef must be > 0")
+        if not 0 < self.critic_lr <= MAX_LR or self.vf_coef <= 0:
+            raise ValueError(f"ppo.critic_lr must be in (0, {MAX_LR}] and ppo.vf_coef > 0, got {self.critic_lr}, {self.vf_coef}")
         if self.critic_init_path is not None and self.critic != "policy_copy":
             raise ValueError("ppo.critic_init_path is set but ppo.critic is 'none'")
         if self.critic_epochs < 1:
@@ -258,8 +327,9 @@ class PPOConfig:
             raise ValueError(f"ppo.value_clip must be > 0 (or null: unclipped), got {self.value_clip}")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        if self.kl_coef < 0:
-            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
+        # Coefficients past 1000 dwarf every other term and overflow the loss or reward at the extreme.
+        if not self.vf_coef <= 1000 or not 0 <= self.kl_coef <= 1000:
+            raise ValueError(f"ppo.vf_coef must be in (0, 1000] and ppo.kl_coef in [0, 1000], got {self.vf_coef}, {self.kl_coef}")
         if self.reward == "model" and not self.reward_model_path:
             raise ValueError("ppo.reward is 'model' but ppo.reward_model_path is not set")
         if self.reward == "grader" and self.reward_model_path:
@@ -281,9 +351,11 @@ class DistributedConfig:
     ``torchrun ... -m a3po.cli train`` or the deepspeed launcher."""
 
     deepspeed_config: str | None = None
-    """DeepSpeed JSON holding the ZeRO stage (1 or 2) and precision, e.g.
+    """DeepSpeed JSON holding the ZeRO stage (1, 2 or 3) and precision, e.g.
     ``infra/deepspeed_zero2.json``; null trains in one plain torch process. Batch sizes and
-    clipping come from ``rl.*``. Needs the ``distributed`` extra (``pip install -e '.[distributed]'``)."""
+    clipping come from ``rl.*``. Needs the ``distributed`` extra (``pip install -e '.[distributed]'``);
+    that and the file itself are checked by :func:`a3po.config.preflight.preflight` where training
+    starts, not when the config is built."""
     rollout_workers: int = 0
     """0: rollouts are generated by a thread of each trainer process. N >= 1: by N processes of
     their own (other GPUs or nodes), the last N of the launch (``torchrun --nproc_per_node N+1``:
@@ -291,8 +363,8 @@ class DistributedConfig:
     ``rl.schedule: deterministic``. One trainer rank, without DeepSpeed, for now."""
 
     def __post_init__(self) -> None:
-        from a3po.parallel.ranks import INSTALL_HINT, deepspeed_available
-
+        if self.deepspeed_config == "":
+            raise ValueError("distributed.deepspeed_config is '': give a JSON file, or null for one plain torch process")
         if self.rollout_workers < 0:
             raise ValueError(f"distributed.rollout_workers must be >= 0, got {self.rollout_workers}")
         if self.rollout_workers and self.deepspeed_config is not None:
@@ -301,21 +373,16 @@ class DistributedConfig:
                 "data parallelism would need a process group of the trainer ranks alone; use one trainer rank without DeepSpeed"
             )
 
-        if self.deepspeed_config is not None and not deepspeed_available():
-            raise ValueError(f"distributed.deepspeed_config is set but DeepSpeed is not installed: {INSTALL_HINT}")
-
-
-WEIGHT_UPDATES = ("decode_step", "batch")
-
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """The engine that samples rollouts (see ``a3po.rollout.engines``)."""
 
     engine: str = "torch"
-    """'torch' (plain torch + transformers in the trainer's process) or 'vllm' (``vllm.LLM``
-    in-process; needs the ``gpu`` extra, or ``infra/install_vllm_cpu.sh`` on a CPU machine)."""
-    weight_updates: str | None = None
+    """A name of :data:`a3po.catalog.ROLLOUT_ENGINE_NAMES`: 'torch' (plain torch + transformers
+    in the trainer's process) or 'vllm' (``vllm.LLM`` in-process; needs the ``gpu`` extra, or
+    ``infra/install_vllm_cpu.sh`` on a CPU machine: checked by :func:`a3po.config.preflight.preflight`)."""
+    weight_updates: Literal["decode_step", "batch"] | None = None
     """When new weights reach the engine: 'decode_step' (also between decode steps of a batch: the
     deterministic schedule's halfway switch; torch only) or 'batch' (only between batches: batch
     ``j`` wholly on version ``max(0, j - s)``, another trajectory). null: the finest the engine does."""
@@ -327,34 +394,23 @@ class RolloutConfig:
     forward), 'generic' (always the model's own forward with a DynamicCache), or a registered name."""
 
     def __post_init__(self) -> None:
-        from a3po.rollout.engines import ROLLOUT_ENGINES
-
         try:
-            spec = ROLLOUT_ENGINES.get(self.engine)
+            engine = ROLLOUT_ENGINE_NAMES.get(self.engine)
         except KeyError as e:
             raise KeyError(f"rollout.engine: {e.args[0]}") from None
-        if self.weight_updates is not None and self.weight_updates not in WEIGHT_UPDATES:
-            raise ValueError(f"rollout.weight_updates must be one of {list(WEIGHT_UPDATES)} or null, got {self.weight_updates!r}")
-        if self.weight_updates == "decode_step" and not spec.mid_batch_updates:
+        if self.weight_updates == "decode_step" and not engine.mid_batch_updates:
             raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
                              "batches; use 'batch' (or null)")
-        from a3po.models.decoders import DECODERS
-
-        if self.decoder != "auto" and self.decoder not in DECODERS:
-            raise ValueError(f"rollout.decoder must be 'auto' or one of {DECODERS.names()}, got {self.decoder!r}")
+        if self.decoder != "auto" and self.decoder not in DECODER_NAMES:
+            raise ValueError(f"rollout.decoder must be 'auto' or one of {sorted(DECODER_NAMES)}, got {self.decoder!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
-        why = spec.missing()
-        if why is not None:
-            raise ValueError(f"rollout.engine {self.engine!r}: {why}")
 
 
 def mid_batch_updates(rollout: RolloutConfig) -> bool:
     """Whether the producer may swap weights between decode steps (derived, never written back)."""
-    from a3po.rollout.engines import ROLLOUT_ENGINES
-
     if rollout.weight_updates is None:
-        return ROLLOUT_ENGINES.get(rollout.engine).mid_batch_updates
+        return ROLLOUT_ENGINE_NAMES.get(rollout.engine).mid_batch_updates
     return rollout.weight_updates == "decode_step"
 
 
@@ -425,8 +481,12 @@ class TrainConfig:
     losses in fp32 either way)."""
 
     def __post_init__(self) -> None:
-        if self.torch_threads < 1 or self.update_threads < 0:
-            raise ValueError(f"torch_threads must be >= 1 and update_threads >= 0, got {self.torch_threads} and {self.update_threads}")
+        if not 1 <= self.torch_threads <= MAX_THREADS or not 0 <= self.update_threads <= MAX_THREADS:
+            raise ValueError(f"torch_threads must be in [1, {MAX_THREADS}] and update_threads in [0, {MAX_THREADS}] "
+                             f"(threads beyond the cores only cost; torch crashes on huge counts), "
+                             f"got {self.torch_threads} and {self.update_threads}")
+        if not self.output_dir:
+            raise ValueError("output_dir must be a directory name, got ''")
         for name, enum in (("device", Device), ("dtype", DType)):
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
@@ -451,12 +511,6 @@ class TrainConfig:
         if self.oppo.inter and self.distributed.rollout_workers:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
-        if self.distributed.deepspeed_config is not None:
-            from a3po.parallel.ranks import read_deepspeed_json
-
-            read_deepspeed_json(self.distributed.deepspeed_config, self.rl.grad_clip)  # raises naming the file and key
-        from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
-
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")
@@ -464,12 +518,7 @@ class TrainConfig:
             raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
         if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
             raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
-            if self.rollout.engine != "torch":
-                raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
-                                 "rank would start its own engine; data-parallel ranks use the torch engine")
-
-
-class ConfigError(ValueError):
-    """A config value of the wrong type, out of range or unknown; the message starts with the
-    source (file, preset or 'overrides') and the dotted field, e.g. ``my.yaml: rl.lr: ...``."""
+        if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None:
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
+                             "rank would start its own engine; data-parallel ranks use the torch engine")
 
