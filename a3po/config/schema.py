@@ -482,9 +482,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.torch_threads <= MAX_THREADS or not 0 <= self.update_threads <= MAX_THREADS:
-            raise ValueError(f"torch_threads must be in [1, {MAX_THREADS}] and update_threads in [0, {MAX_THREADS}] "
-                             f"(threads beyond the cores only cost; torch crashes on huge counts), "
-                             f"got {self.torch_threads} and {self.update_threads}")
+            raise ValueError(f"torch_threads must be >= 1 and update_threads >= 0, both at most {MAX_THREADS} (threads beyond "
+                             f"the cores only cost; torch crashes on huge counts), got {self.torch_threads} and {self.update_threads}")
         if not self.output_dir:
             raise ValueError("output_dir must be a directory name, got ''")
         for name, enum in (("device", Device), ("dtype", DType)):
