@@ -277,18 +277,22 @@ def load_config(path: str | Path) -> TrainConfig:
     return config_from_dict(_read_yaml(path), where=str(path))
 
 
-def merge_yaml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
-    """``cfg`` with the sections of a YAML file laid over it field by field."""
-    values = _read_yaml(path)
+def _overlay(cfg: TrainConfig, sections: dict[str, Any], where: str) -> TrainConfig:
+    """``cfg`` with ``sections`` laid over it field by field, checked; errors start with ``where``."""
     base = config_to_dict(cfg)
-    for section, sub in values.items():
+    for section, sub in sections.items():
         if isinstance(base.get(section), dict) and sub is None:
             continue  # an empty section changes nothing (not: back to the defaults)
         if isinstance(sub, dict) and isinstance(base.get(section), dict):
             base[section].update(sub)
         else:
             base[section] = sub
-    return config_from_dict(base, where=str(path))
+    return config_from_dict(base, where=where)
+
+
+def merge_yaml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
+    """``cfg`` with the sections of a YAML file laid over it field by field."""
+    return _overlay(cfg, _read_yaml(path), str(path))
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -298,11 +302,5 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return d
 def with_overrides(cfg: TrainConfig, **sections: Any) -> TrainConfig:
     """Copy ``cfg`` replacing fields per section, e.g. ``with_overrides(cfg, rl={"steps": 5})``;
-    checked like a file, errors start with 'overrides'."""
-    d = config_to_dict(cfg)
-    for section, values in sections.items():
-        if isinstance(d.get(section), dict) and isinstance(values, dict):
-            d[section].update(values)
-        else:
-            d[section] = values
-    return config_from_dict(d, where="overrides")
+    checked like a file (laid over it the same way), errors start with 'overrides'."""
+    return _overlay(cfg, sections, "overrides")
