@@ -254,7 +254,7 @@ def test_vllm_with_deepspeed_is_refused_whatever_the_critic():
 
 # --- hostile YAML --------------------------------------------------------------------------------
 
-# Nine levels of nine aliases: 404 bytes that stand for 9**9 (387 million) strings.
+# Nine levels of nine aliases: 354 bytes that stand for 9**9 (387 million) strings.
 BOMB = "data:\n  instruction:\n  - &a [lol,lol,lol,lol,lol,lol,lol,lol,lol]\n" + "".join(
     f"  - &{b} [{','.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
 
