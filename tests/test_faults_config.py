@@ -230,6 +230,7 @@ def test_groups_of_one_are_fine_for_an_estimator_that_is_not_group_relative():
         ({"warm_start": {"seed": 2**40}}, r"warm_start\.seed must be in"),
         ({"model": {"init_seed": -5}}, r"model\.init_seed must be in"),
         ({"data": {"seed": -1}}, r"data\.seed must be in"),
+        ({"data": {"n_train": 10**9}}, r"data\.n_train and data\.n_heldout must be in \[1, 1000000\]"),
         ({"data": {"max_add": 0}}, r"data\.max_add must be >= 1 and data\.max_mul >= 2"),
         ({"ppo": {"critic_lr": 3.0}}, r"ppo\.critic_lr must be in \(0, 1\.0\]"),
         ({"ppo": {"kl_coef": 1e300}}, r"ppo\.kl_coef in \[0, 1000\]"),

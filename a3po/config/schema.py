@@ -21,6 +21,8 @@ MAX_SEED = 2**31 - 1
 # crashes (not an error: a segfault) when asked for 100000. A fixed bound, not the cores of the
 # machine that builds the config: it may not be the one that trains.
 MAX_THREADS = 1024
+# The embedded task generates its rows up front, all in memory (about a kilobyte each).
+MAX_GENERATED_ROWS = 1_000_000
 # An Adam step moves each weight by about lr: above 1 every step rewrites the weights.
 MAX_LR = 1.0
 
@@ -137,8 +139,9 @@ class DataConfig:
             raise ValueError("data.prompt_field and data.gold_field must be two different non-empty names")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.n_train < 1 or self.n_heldout < 1:
-            raise ValueError("data.n_train and data.n_heldout must be >= 1")
+        if not 1 <= self.n_train <= MAX_GENERATED_ROWS or not 1 <= self.n_heldout <= MAX_GENERATED_ROWS:
+            raise ValueError(f"data.n_train and data.n_heldout must be in [1, {MAX_GENERATED_ROWS}] (the embedded task holds "
+                             f"every row in memory), got {self.n_train}, {self.n_heldout}")
         if not _seed_ok(self.seed):
             raise ValueError(f"data.seed must be in [0, {MAX_SEED}], got {self.seed}")
         # Operands are drawn from [1, max_add] and [2, max_mul]: an empty range has no problem to draw.
