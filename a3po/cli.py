@@ -25,7 +25,7 @@ from typing import Callable
 
 
 def _train(argv: list[str]) -> int:
-    from a3po.config import PRESETS, ConfigError, Variant, merge_yaml, preset, with_overrides
+    from a3po.config import PRESETS, ConfigError, Variant, merge_yaml, preflight, preset, with_overrides
     from a3po.devices import Device, DType
 
     ap = argparse.ArgumentParser(prog="a3po train", description="Train one variant (sync, recompute, loglinear) with async RL.")
@@ -52,7 +52,7 @@ def _train(argv: list[str]) -> int:
             if val is not None:
                 rl[key] = val
         runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
-        cfg = with_overrides(cfg, rl=rl, **runtime)
+        cfg = preflight(with_overrides(cfg, rl=rl, **runtime))  # and what it needs of this machine
     except ConfigError as e:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2

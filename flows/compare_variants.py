@@ -38,7 +38,7 @@ import yaml
 from prefect import flow, get_run_logger
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
-from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, with_overrides
+from a3po.config import PRESETS, TrainConfig, Variant, config_to_dict, load_yaml, merge_yaml, preflight, with_overrides
 from a3po.config import preset as load_preset
 from a3po.devices import Device, DType
 from a3po.storage.runlock import RunFolderBusy, hold_run_folder
@@ -430,7 +430,9 @@ def check_configs(kwargs: dict[str, Any]) -> None:
     keys = ("preset", "config", "model", "dataset", "task", "steps", "max_staleness", "checkpoint_every", "overrides", "torch_threads")
     base = build_config(**{k: kwargs[k] for k in keys})
     for arm in expand_arms(kwargs["variants"], kwargs["oppo"]):
-        variant_config(base, arm, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
+        cfg = variant_config(base, arm, kwargs["seeds"][0] if kwargs["seeds"] else 0, kwargs["variant_overrides"])
+        if not kwargs["fanout_deployment"]:  # deployed workers check their own machine (train_variant)
+            preflight(cfg)
     launch_for_config(launch_spec(kwargs["launch"]), base)  # e.g. 2 ranks without a DeepSpeed config
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
-from a3po.config import DataConfig, RLConfig, load_config, merge_yaml, preset
+from a3po.config import ConfigError, DataConfig, RLConfig, config_from_dict, load_config, merge_yaml, preset
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import BadRowError, load_rows, read_jsonl, validate_rows
 from a3po.models.tokenizer import build_tokenizer
@@ -107,9 +107,18 @@ def test_no_usable_rows_is_an_error_even_in_skip_mode(tok):
         validate_rows([{}, {"prompt": "x"}], tok, max_prompt_tokens=96, on_bad_row="skip", source="src")
 
 
-def test_data_config_rejects_unknown_on_bad_row():
-    with pytest.raises(ValueError, match="on_bad_row"):
-        DataConfig(on_bad_row="ignore")
+@pytest.mark.parametrize(
+    ("section", "field", "value", "allowed"),
+    [
+        ("data", "on_bad_row", "ignore", "'error', 'skip'"),
+        ("rl", "schedule", "async", "'deterministic', 'threaded'"),
+        ("rl", "lr_schedule", "linear", "'constant', 'cosine'"),
+        ("rollout", "weight_updates", "sometimes", "'decode_step', 'batch'"),
+    ],
+)
+def test_a_field_of_fixed_choices_lists_them(section, field, value, allowed):
+    with pytest.raises(ConfigError, match=rf"^config: {section}\.{field}: expected one of {allowed}, got '{value}' \(str\)$"):
+        config_from_dict({section: {field: value}})
 
 
 # --- configs -----------------------------------------------------------------------------------------
@@ -146,7 +155,6 @@ def test_valid_yaml_loads(tmp_path):
         ({"minibatches": 0}, "minibatches"),
         ({"batch_prompts": 3, "group_size": 3, "minibatches": 2}, "minibatches must divide"),
         ({"max_staleness": -1}, "max_staleness"),
-        ({"schedule": "async"}, "schedule"),
         ({"eps_clip": 0.0}, "eps_clip"),
         ({"behav_weight_cap": 1.0}, "behav_weight_cap"),
         ({"steps": 0}, "steps"),

@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from a3po.config import ConfigError, mid_batch_updates, preset, with_overrides
+from a3po.config import ConfigError, mid_batch_updates, preflight, preset, with_overrides
 from a3po.data.arithmetic import WORDS, generate_split
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
@@ -43,7 +43,7 @@ def test_config_rejects_mid_batch_updates_for_an_engine_that_cannot_do_them():
     # Checked before availability: the same answer with or without vLLM installed.
     with pytest.raises(ConfigError, match="rollout.weight_updates 'decode_step': the vllm engine only loads weights between batches"):
         with_overrides(preset("micro"), rollout={"engine": "vllm", "weight_updates": "decode_step"})
-    with pytest.raises(ConfigError, match="rollout.weight_updates must be one of"):
+    with pytest.raises(ConfigError, match="rollout.weight_updates: expected one of 'decode_step', 'batch', got 'sometimes'"):
         with_overrides(preset("micro"), rollout={"weight_updates": "sometimes"})
 
 
@@ -55,7 +55,7 @@ def test_weight_updates_default_to_the_finest_the_engine_does():
 @pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed here; this checks the error where it is not")
 def test_vllm_engine_without_vllm_is_a_clear_config_error():
     with pytest.raises(ConfigError) as e:
-        with_overrides(preset("micro"), rollout={"engine": "vllm"})
+        preflight(with_overrides(preset("micro"), rollout={"engine": "vllm"}))
     msg = str(e.value)
     assert "rollout.engine 'vllm'" in msg and "vLLM is not installed" in msg
     assert "infra/install_vllm_cpu.sh" in msg and ".[gpu]" in msg

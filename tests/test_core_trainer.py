@@ -15,7 +15,7 @@ import torch
 
 from a3po.algorithms.losses import decoupled_ppo_loss, ppo_clip_loss
 from a3po.algorithms.proximal import PROXIMAL_METHODS, ProxInputs, loglinear_prox_logp
-from a3po.config import RLConfig, Variant, proximal_method_name
+from a3po.config import RLConfig, Variant, config_from_dict, proximal_method_name
 from a3po.data.arithmetic import WORDS
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
@@ -207,7 +207,7 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     constant = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="constant")
     assert [learning_rate(constant, s) for s in (10, 60, 109)] == [1e-4] * 3
     with pytest.raises(ValueError, match="lr_schedule"):
-        RLConfig(lr_schedule="linear")
+        config_from_dict({"rl": {"lr_schedule": "linear"}})
 
 
 # --- train_step against hand-derived numbers -----------------------------------------------------

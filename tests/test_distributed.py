@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from a3po.parallel.ranks import deepspeed_available
+from a3po.config.preflight import deepspeed_available
 from tests.support.cli_runs import final_weights as _final_weights
 from tests.support.cli_runs import kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import step_metrics as _metrics
@@ -243,23 +243,23 @@ def test_without_a_deepspeed_config_the_config_builds_without_deepspeed(monkeypa
     ],
 )
 def test_bad_deepspeed_json_fails_at_config_time_naming_the_file(tmp_path, content, message):
-    from a3po.config import config_from_dict
+    from a3po.config import config_from_dict, preflight
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError) as err:
-        config_from_dict({"distributed": {"deepspeed_config": str(path)}})
+        preflight(config_from_dict({"distributed": {"deepspeed_config": str(path)}}))
     assert str(path) in str(err.value) and message in str(err.value)
 
 
 @needs_deepspeed
 def test_shipped_deepspeed_configs_are_accepted():
-    from a3po.config import config_from_dict
+    from a3po.config import config_from_dict, preflight
     from a3po.parallel.ranks import read_deepspeed_json, zero_stage
 
     for stage in (1, 2, 3):
         path = REPO_ROOT / f"infra/deepspeed_zero{stage}.json"
-        config_from_dict({"distributed": {"deepspeed_config": str(path)}})
+        preflight(config_from_dict({"distributed": {"deepspeed_config": str(path)}}))
         assert zero_stage(read_deepspeed_json(path, 1.0)) == stage
 
 

@@ -44,6 +44,8 @@ class Advantages:
 
 class AdvantageEstimator(Protocol):
     needs_values: bool
+    group_relative: bool
+    """Whether a sample's advantage is its reward against its group's others (a group of one: 0)."""
 
     def __call__(self, inp: AdvantageInputs) -> Advantages: ...
 
@@ -84,8 +86,8 @@ class SequenceLevel:
 
     needs_values = False
 
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group_relative: bool = True) -> None:
+        self.fn, self.group_relative = fn, group_relative
         self.__doc__ = fn.__doc__
 
     def __call__(self, inp: AdvantageInputs) -> Advantages:
@@ -143,6 +145,7 @@ class GAE:
     batch's response tokens, returns left raw (they are the critic's targets)."""
 
     needs_values = True
+    group_relative = False
 
     def __call__(self, inp: AdvantageInputs) -> Advantages:
         if inp.values is None:

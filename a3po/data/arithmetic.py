@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+
+from a3po.config import ArithmeticDifficulty
 
 NAMES = ["Mia", "Sam", "Ava", "Leo", "Zoe", "Max", "Ivy", "Ben", "Eva", "Tom", "Amy", "Jay"]
 ITEMS = ["apples", "pens", "books", "coins", "cards", "eggs", "cups", "shells", "stamps", "rocks"]
@@ -44,27 +45,6 @@ WORDS = sorted(
     | set(NAMES) | set(ITEMS) | {"She", "He", "Question", "Answer"}
 )
 PROMPT_FORMAT = "Question: {question}\nAnswer: "
-
-
-@dataclass(frozen=True)
-class ArithmeticDifficulty:
-    """Operand ranges and the teacher's slip rate. The defaults put the warm-started tiny
-    model at ~0.3 held-out accuracy (mean@4 at T = 0.7; ~0.5 greedy)."""
-
-    max_add: int = 9  # operands of + and - lie in [1, max_add]
-    max_mul: int = 5  # operands of * lie in [2, max_mul]
-    heldout_fraction: float = 0.2
-    slip_rate: float = 0.65
-    """Fraction of training solutions written by a careless teacher: the worked line and the
-    ``####`` line carry a result off by 1 or 2 (the gold stays right). Supervised learning on
-    them gives a policy that knows each fact but often writes a near miss; the verifiable
-    reward is what tells the two apart."""
-    long_tail_frac: float = 0.0
-    """Fraction of problems that are multi-step chains (buys / gives away, ``long_tail_steps``
-    operations) whose worked solution has one line per step: a few answers several times longer
-    than the rest, the long-tailed workload where OPPO's overlaps pay (docs/oppo.md). 0 draws
-    exactly the problems of earlier versions."""
-    long_tail_steps: int = 5
 
 
 def _is_heldout(key: str, fraction: float) -> bool:
@@ -133,9 +113,11 @@ def make_chain_problem(rng: random.Random, diff: ArithmeticDifficulty, slip: ran
     }
 
 
-def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty = ArithmeticDifficulty()) -> list[dict]:
-    """``n`` problems of ``split`` ("train" or "heldout"), deterministic in ``seed``. Rows carry
-    ``id``, ``prompt``, ``gold`` (the number after ``####``), ``solution`` and ``task``."""
+def generate_split(n: int, split: str, seed: int, diff: ArithmeticDifficulty | None = None) -> list[dict]:
+    """``n`` problems of ``split`` ("train" or "heldout"), deterministic in ``seed``, at ``diff``
+    (default: :class:`~a3po.config.ArithmeticDifficulty`'s defaults). Rows carry ``id``,
+    ``prompt``, ``gold`` (the number after ``####``), ``solution`` and ``task``."""
+    diff = diff or ArithmeticDifficulty()
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     want_heldout = split == "heldout"

@@ -17,10 +17,9 @@ Light on purpose (no torch, no transformers): ``eval.prompts`` imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
-PromptFormat = Literal["auto", "chat", "plain"]
-PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
+from a3po.catalog import PROMPT_FORMATS
 
 
 def has_chat_template(tokenizer: Any) -> bool:

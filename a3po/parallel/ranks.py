@@ -23,62 +23,16 @@ stage and precision; batch sizes and clipping are derived from ``rl.*`` here, no
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import socket
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 import torch
 
-INSTALL_HINT = "pip install -e '.[distributed]'"
-SUPPORTED_ZERO_STAGES = (1, 2, 3)
-# Keys the trainer derives (from rl.*) or owns (optimizer, lr schedule): a JSON setting them would
-# silently disagree with the config, so it is refused.
-_DERIVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_OWNED_KEYS = ("optimizer", "scheduler")
-
-
-def deepspeed_available() -> bool:
-    """Whether ``import deepspeed`` can succeed, without paying for the import (seconds)."""
-    try:
-        return importlib.util.find_spec("deepspeed") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def read_deepspeed_json(path: str | Path, grad_clip: float) -> dict[str, Any]:
-    """Load and check a DeepSpeed JSON for the trainer; errors name the file and the key."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"distributed.deepspeed_config: {p} does not exist")
-    try:
-        ds = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(ds, dict):
-        raise ValueError(f"{p}: expected a JSON object at the top level")
-    for key in _DERIVED_KEYS:
-        if key in ds:
-            raise ValueError(f"{p}: '{key}' is derived from rl.batch_prompts x rl.group_size / rl.minibatches and the world size; remove it")
-    for key in _OWNED_KEYS:
-        if key in ds:
-            raise ValueError(f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule a3po.training.loop.learning_rate); remove it")
-    if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != float(grad_clip):
-        raise ValueError(f"{p}: gradient_clipping {ds['gradient_clipping']} disagrees with rl.grad_clip {grad_clip}; remove it or make them equal")
-    stage = zero_stage(ds)
-    if stage not in SUPPORTED_ZERO_STAGES:
-        raise ValueError(f"{p}: zero_optimization.stage must be one of {SUPPORTED_ZERO_STAGES}, got {stage!r}")
-    if ds.get("fp16", {}).get("enabled"):
-        raise ValueError(f"{p}: fp16 is not supported (dynamic loss scaling skips steps); use bf16 or fp32")
-    return ds
-
-
-def zero_stage(ds: Mapping[str, Any]) -> int:
-    return ds.get("zero_optimization", {}).get("stage", 0)
+from a3po.config.preflight import read_deepspeed_json, zero_stage
+from a3po.storage.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -278,7 +232,7 @@ class LocalUpdater:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if "ranks" in state:
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint was written by {state['world_size']} DeepSpeed ranks at ZeRO stage "
                 f"{state['zero_stage']}; resume it with the same distributed config and launch"
             )
@@ -344,16 +298,16 @@ class DeepSpeedUpdater:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "ranks" not in state:
-            raise ValueError("the checkpoint's optimizer state was written by a single-process run; resume it without DeepSpeed")
+            raise CheckpointError("the checkpoint's optimizer state was written by a single-process run; resume it without DeepSpeed")
         if (state["world_size"], state["zero_stage"]) != (self.ranks.world_size, self.stage):
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint's optimizer is partitioned for {state['world_size']} ranks at ZeRO stage "
                 f"{state['zero_stage']}; this run has {self.ranks.world_size} ranks at stage {self.stage}"
             )
         mine = state["ranks"][self.ranks.rank]
         master = self._master()
         if len(master) != len(mine["master"]) or any(p.shape != s.shape for p, s in zip(master, mine["master"])):
-            raise ValueError(
+            raise CheckpointError(
                 f"rank {self.ranks.rank}'s optimizer partition in the checkpoint has shapes "
                 f"{[tuple(s.shape) for s in mine['master']]}, this run's {[tuple(p.shape) for p in master]}"
             )

