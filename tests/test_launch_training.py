@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from a3po.parallel.ranks import deepspeed_available
+from a3po.parallel.deepspeed_json import deepspeed_available
 from infra.launch import LaunchSpec, launch_spec
 from tests.support.cli_runs import descendants, flow_logs, without_timing
 

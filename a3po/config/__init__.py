@@ -311,7 +311,7 @@ class DistributedConfig:
     ``rl.schedule: deterministic``. One trainer rank, without DeepSpeed, for now."""
 
     def __post_init__(self) -> None:
-        from a3po.parallel.ranks import INSTALL_HINT, deepspeed_available
+        from a3po.parallel.deepspeed_json import INSTALL_HINT, deepspeed_available
 
         if self.rollout_workers < 0:
             raise ValueError(f"distributed.rollout_workers must be >= 0, got {self.rollout_workers}")
@@ -472,7 +472,7 @@ class TrainConfig:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
         if self.distributed.deepspeed_config is not None:
-            from a3po.parallel.ranks import read_deepspeed_json
+            from a3po.parallel.deepspeed_json import read_deepspeed_json
 
             read_deepspeed_json(self.distributed.deepspeed_config, self.rl.grad_clip)  # raises naming the file and key
         from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
