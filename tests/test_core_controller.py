@@ -30,6 +30,7 @@ from a3po.models.factory import build_tiny_model
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer
 from a3po.producer.weight_store import Retention, Stopped, WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.storage.checkpoint import load_checkpoint
 from a3po.training import loop
 from a3po.training.loop import rl_train
 
@@ -311,6 +312,25 @@ def test_resumed_run_equals_uninterrupted_run(core_stub_rewards, two_runs, tmp_p
     with pytest.raises(_Crash):
         _micro_run(ckpt_dir=str(tmp_path), progress=crash_at_5)
     resumed, w_resumed = _micro_run(ckpt_dir=str(tmp_path))
+    assert resumed.resumed_from == 4
+    assert _algorithmic(resumed.history) == _algorithmic(full.history)
+    assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
+
+
+def test_a_huge_staleness_bound_checkpoints_version_0_and_the_newest_and_resumes_exactly(core_stub_rewards, tmp_path):
+    # s = 10**9 (deterministic): every batch starts on version 0 and none switches, so the step-4
+    # checkpoint needs version 0 (batches 4.. regenerate from it) and 4 (the policy), not 0..4.
+    s = 10**9
+    full, w_full = _micro_run(s=s)
+
+    def crash_at_5(step, metrics):
+        if step == 5:
+            raise _Crash()
+
+    with pytest.raises(_Crash):
+        _micro_run(s=s, ckpt_dir=str(tmp_path), progress=crash_at_5)
+    assert sorted(load_checkpoint(tmp_path / "step_000004")["weights_history"]) == [0, 4]
+    resumed, w_resumed = _micro_run(s=s, ckpt_dir=str(tmp_path))
     assert resumed.resumed_from == 4
     assert _algorithmic(resumed.history) == _algorithmic(full.history)
     assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)

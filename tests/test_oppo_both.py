@@ -86,7 +86,7 @@ def test_carried_then_finished_sequences_are_scored_as_one_shot(chunk):
             carried_rows += sum(m["steps_seen"] >= 2 for m in scored.rollout.meta)
             assert scored.metrics["oppo/chunk_size"] == chunk
             # The chunk tuner's state travels with the batch, for the checkpoint of the batch trained last.
-            assert scored.intra_state is not None and scored.intra_state == intra.state_dict()
+            assert scored.stream_state is not None and scored.stream_state == intra.state_dict()
     finally:
         hook.remove()
         intra.close()
