@@ -19,7 +19,8 @@ trainer consumes them, with a bound on how stale a sample may be.
   last (so from step ``s`` on every token is ``s`` versions stale, where the mid-batch switch
   makes half of them ``s - 1``: another trajectory than the default), ``threaded`` loads the
   newest version when a batch starts.
-* Work beside decoding (OPPO's intra-step scoring) plugs in as a :class:`StreamHook`.
+* Work beside decoding (scoring the tokens with other models as they come) plugs in as a
+  :class:`StreamHook`; a producer with another batching rule subclasses :class:`RolloutProducer`.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class PromptSampler:
 
 
 class StreamHook(Protocol):
-    """Work done beside decoding, fed token by token (e.g. OPPO's intra-step scoring,
-    :class:`a3po.oppo.intra.IntraScoring`). The producer calls, per batch: :meth:`begin` before
+    """Work done beside decoding, fed token by token (e.g. reference, critic and reward-model
+    scores computed while the policy decodes). The producer calls, per batch: :meth:`begin` before
     decoding (the ``on_token`` hook it returns goes to the engine), :meth:`finish` after it,
     :meth:`record` with the batch's production time, and :meth:`state_dict` for the batch's
     checkpoint."""
@@ -114,7 +115,7 @@ class ScoredBatch:
     completions: list[str]
     gen_time_s: float
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
-    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
+    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (perf/*, the hook's)
     producer_state: dict | None = None  # JSON state of the producer after this batch (e.g. a carry-over buffer), for checkpoints
     stream_state: dict | None = None  # JSON state of the stream hook after this batch, for checkpoints
     streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # what the stream hook scored while decoding (e.g. ref_logp, values, scores)
@@ -128,7 +129,7 @@ class RolloutProducer(threading.Thread):
     """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
     under the admission bound. In a trainer process: every batch; in one of k rollout workers
     (:mod:`a3po.placement.rollout_workers`): every k-th. Subclasses change how a batch is
-    generated (:meth:`_generate`) and share how it is scored (:meth:`_score`)."""
+    generated (:meth:`_produce_next`) and share how it is scored (:meth:`_score`)."""
 
     def __init__(
         self,
@@ -209,7 +210,7 @@ class RolloutProducer(threading.Thread):
         stream = {"on_token": self.stream.begin(prompts, self.engine.version)} if self.stream is not None else {}
         rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
         streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
-        if self.stream is not None:  # e.g. OPPO's chunk tuner: producing time per generated token
+        if self.stream is not None:  # e.g. a chunk-size tuner: producing time per generated token
             n_gen = int(rollout.response_mask.sum())
             self.stream.record(time.perf_counter() - t0, n_gen, n_gen / len(rollout))
         checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)

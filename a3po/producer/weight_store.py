@@ -2,8 +2,8 @@
 samples with them), and the rule for how long a version is kept.
 
 A version is kept while a batch not yet trained can still read it: a batch in flight or queued,
-one admitted later, one regenerated after a resume from a checkpoint written now (OPPO's carried
-samples keep only version numbers, not weights). That set depends on the schedule, not on how
+one admitted later, one regenerated after a resume from a checkpoint written now (samples carried
+over to a later batch keep only version numbers, not weights). That set depends on the schedule, not on how
 large ``max_staleness`` is: with ``s = 10**9`` the deterministic schedule starts every batch on
 version 0, so it keeps version 0 and the newest one, not every version in between.
 """
@@ -37,8 +37,8 @@ class Retention:
     newest version and loads newer ones as they come: only the newest is needed to start or
     resume, and a producer :meth:`hold`\\s the version its batch in progress started on (its
     tokens' versions are read back after decoding, by the behaviour check). Holds are shared by
-    every store built on this object (the policy's and the OPPO intra critic's versions go
-    together).
+    every store built on this object (e.g. a critic's versions published beside the
+    policy's).
     """
 
     def __init__(self, max_staleness: int, schedule: str = "deterministic", end: int | None = None) -> None:
