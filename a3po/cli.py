@@ -74,8 +74,9 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
+    from a3po.config.preflight import read_deepspeed_json, zero_stage
     from a3po.data.datasets import BadRowError
-    from a3po.parallel.ranks import init_ranks, read_deepspeed_json, zero_stage
+    from a3po.parallel.ranks import init_ranks
     from a3po.training.metrics import JsonlLogger, NullLogger
     from a3po.training.run import prepare_warmstart, train_variant
 

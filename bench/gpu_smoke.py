@@ -33,7 +33,8 @@ from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import RLConfig, Variant, effective_max_staleness, proximal_method_name
 from a3po.devices import Device, DType, model_device, resolve_device, sampling_generator, synchronize
 from a3po.models.factory import count_parameters
-from a3po.producer.producer import batch_seed, clone_state
+from a3po.producer.producer import batch_seed
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.loop import train_step
 from bench.prox_logp import with_seeded_rewards

@@ -30,7 +30,8 @@ from a3po.data.arithmetic import WORDS, generate_split
 from a3po.devices import model_device, sampling_generator, synchronize
 from a3po.models.factory import TINY_ARCHS, build_tiny_model, count_parameters
 from a3po.models.logprobs import token_logprobs
-from a3po.producer.producer import ScoredBatch, clone_state
+from a3po.producer.producer import ScoredBatch
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutBatch, RolloutEngine, SamplingParams
 from a3po.training.loop import train_step
 

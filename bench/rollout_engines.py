@@ -25,7 +25,7 @@ import torch
 from a3po.data.arithmetic import WORDS
 from a3po.devices import Device, DType, model_device, resolve_device, synchronize
 from a3po.models.factory import TinyArch, build_tiny_model, count_parameters
-from a3po.producer.producer import clone_state
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.engines import ROLLOUT_ENGINES
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from bench.gpu_smoke import SIZES, build_random_qwen2

@@ -271,7 +271,7 @@ def launch_for_config(spec: LaunchSpec, cfg: TrainConfig) -> LaunchSpec:
     """``spec`` with the ZeRO stage of the config's DeepSpeed JSON, so the recorded topology is
     what the ranks run. Raises when the two disagree, or when several ranks would train without
     a DeepSpeed config (the ranks would refuse it after their start-up; this fails before)."""
-    from a3po.parallel.ranks import read_deepspeed_json, zero_stage
+    from a3po.config.preflight import read_deepspeed_json, zero_stage
 
     ds = cfg.distributed.deepspeed_config
     stage = zero_stage(read_deepspeed_json(ds, cfg.rl.grad_clip)) if ds else None

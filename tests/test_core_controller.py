@@ -27,8 +27,11 @@ from a3po.config import preset, with_overrides
 from a3po.data.arithmetic import WORDS, generate_split
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
-from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, Stopped, WeightStore, clone_state
+from a3po.producer.producer import Admission, PromptSampler, RolloutProducer
+from a3po.producer.weight_store import Retention, Stopped, WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.storage.checkpoint import load_checkpoint
+from a3po.training import loop
 from a3po.training.loop import rl_train
 from tests.support.rewards import stub_rewards
 
@@ -60,7 +63,7 @@ def _wait_for(cond, timeout=60.0):
     ],
 )
 def test_capacity_per_version(s, expected):
-    adm = Admission(WeightStore(keep=1), max_staleness=s, batch_size=4)
+    adm = Admission(WeightStore(), max_staleness=s, batch_size=4)
     assert [adm.capacity(v) for v in range(3)] == expected
 
 
@@ -72,7 +75,7 @@ def test_capacity_per_version(s, expected):
 )
 def test_admission_never_exceeds_bound_and_blocks_until_a_new_version(s, admitted_per_version):
     bs = 3
-    store = WeightStore(keep=2)
+    store = WeightStore()
     store.publish(0, {})
     adm = Admission(store, max_staleness=s, batch_size=bs)
     log: list[tuple[int, int]] = []  # (admitted after the call, newest version when it returned)
@@ -93,7 +96,7 @@ def test_admission_never_exceeds_bound_and_blocks_until_a_new_version(s, admitte
     try:
         for v in range(4):
             expected = admitted_per_version[v]  # then it blocks
-            assert _wait_for(lambda: adm.admitted == expected), (v, adm.admitted, expected)
+            assert _wait_for(lambda expected=expected: adm.admitted == expected), (v, adm.admitted, expected)
             time.sleep(0.15)  # it stays blocked: no sample beyond the bound
             assert adm.admitted == expected
             assert not done.is_set()
@@ -107,7 +110,7 @@ def test_admission_never_exceeds_bound_and_blocks_until_a_new_version(s, admitte
 
 
 def test_admit_of_more_than_the_bound_blocks_and_close_stops_it():
-    store = WeightStore(keep=1)
+    store = WeightStore()
     store.publish(0, {})
     adm = Admission(store, max_staleness=1, batch_size=4)  # capacity at version 0: 8
     outcome = []
@@ -129,13 +132,43 @@ def test_admit_of_more_than_the_bound_blocks_and_close_stops_it():
 
 
 def test_weight_store_keeps_recent_versions_only():
-    store = WeightStore(keep=2)
-    for v in range(4):
+    # Deterministic, s = 2, 40 batches: after version L, batches j >= L read versions j - 2 and
+    # j - 1, so versions L - 2 .. L stay and older ones go.
+    store = WeightStore(Retention(max_staleness=2, schedule="deterministic", end=40))
+    for v in range(6):
         store.publish(v, {"v": torch.tensor(v)})
-    assert sorted(store.history(since=0)) == [2, 3]
-    assert int(store.get(3)["v"]) == 3
+    assert store.versions() == [3, 4, 5]
+    assert int(store.get(5)["v"]) == 5
     with pytest.raises(KeyError, match="no longer kept"):
-        store.get(1)
+        store.get(2)
+
+
+def test_a_huge_staleness_bound_keeps_only_the_versions_batches_can_read():
+    # s = 10**9 with 40 batches: batch j starts on max(0, j - s) = 0 and never switches
+    # (j - s + 1 < 1), so only version 0 and the newest are ever read again; a bound of
+    # s + 2 versions would keep all 40.
+    store = WeightStore(Retention(max_staleness=10**9, schedule="deterministic", end=40))
+    for v in range(40):
+        store.publish(v, {"v": torch.tensor(v)})
+    assert store.versions() == [0, 39]
+    # s = 30, versions 0..19 published: batches j >= 19 start on max(0, j - 30) (0, then 1..9)
+    # and switch halfway to j - 29 (1..10 for j = 30..39): versions 0..10 and the newest, 19.
+    store = WeightStore(Retention(max_staleness=30, schedule="deterministic", end=40))
+    for v in range(20):
+        store.publish(v, {"v": torch.tensor(v)})
+    assert store.versions() == [*range(11), 19]
+
+
+def test_threaded_store_keeps_what_a_producer_holds_and_the_newest():
+    retention = Retention(max_staleness=10**9, schedule="threaded", end=40)
+    store = WeightStore(retention)
+    retention.hold("producer", 3)  # a batch in progress started on version 3
+    for v in range(8):
+        store.publish(v, {"v": torch.tensor(v)})
+    assert store.versions() == [3, 4, 5, 6, 7]
+    retention.release("producer")
+    store.publish(8, {"v": torch.tensor(8)})
+    assert store.versions() == [8]
 
 
 # --- the deterministic schedule, token by token -------------------------------------------------
@@ -150,7 +183,7 @@ def test_deterministic_schedule_token_versions(s):
         lambda mod, i, o: o + torch.nn.functional.one_hot(torch.tensor(tok.eos_token_id), o.shape[-1]) * -50.0
     )
     trainer_model, _ = build_tiny_model("micro", WORDS, seed=0)
-    store = WeightStore(keep=s + 2)
+    store = WeightStore()
     store.publish(0, clone_state(trainer_model))
     rows = generate_split(20, "train", 0)
     sampler = PromptSampler(rows, tok, batch_prompts=2, group_size=2, seed=0)
@@ -237,17 +270,34 @@ def test_sync_variant_has_zero_staleness_everywhere(core_stub_rewards):
 
 
 @pytest.mark.parametrize("s", [0, 1, 2])
-def test_threaded_schedule_trains_every_step_within_the_staleness_bound(core_stub_rewards, core_one_thread, s):
+def test_threaded_schedule_trains_every_step_within_the_staleness_bound(core_stub_rewards, core_one_thread, s, monkeypatch):
     # The free-running producer loads the newest weights whenever they appear, so how stale a
     # token is depends on timing; what cannot depend on it: every step trains its own batch in
     # order, no token is staler than the bound, and with s = 0 the run is on-policy.
+    # To see that the producer does run ahead, the first train step waits until batches 0..s are
+    # made: they can only be sampled by version 0, so step j <= s trains tokens j versions stale.
+    produced: list[int] = []
+    produce_next, train_step = RolloutProducer._produce_next, loop.train_step
+
+    def recording(self, j):
+        out = produce_next(self, j)
+        produced.append(j)
+        return out
+
+    def after_the_producer_ran_ahead(model, optimizer, scored, step, *args, **kwargs):
+        if step == 0:
+            _wait_for(lambda: len(produced) > s, timeout=30.0)  # a producer that cannot run ahead fails below
+        return train_step(model, optimizer, scored, step, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutProducer, "_produce_next", recording)
+    monkeypatch.setattr(loop, "train_step", after_the_producer_ran_ahead)
     res, _ = _micro_run(steps=8, s=s, schedule="threaded")
     assert [h["version"] for h in res.history] == [float(v) for v in range(1, 9)]
     st_max = [h["staleness/max"] for h in res.history]
     assert all(0.0 <= m <= s for m in st_max), st_max
+    assert st_max[: s + 1] == [float(j) for j in range(s + 1)], st_max  # s = 0: on-policy from the start
     if s == 0:
         assert st_max == [0.0] * 8
-    assert st_max[0] == 0.0  # the first batch can only be sampled by version 0
     assert all(torch.isfinite(torch.tensor(h["loss/policy"])) for h in res.history)
 
 
@@ -265,6 +315,25 @@ def test_resumed_run_equals_uninterrupted_run(core_stub_rewards, two_runs, tmp_p
     with pytest.raises(_Crash):
         _micro_run(ckpt_dir=str(tmp_path), progress=crash_at_5)
     resumed, w_resumed = _micro_run(ckpt_dir=str(tmp_path))
+    assert resumed.resumed_from == 4
+    assert _algorithmic(resumed.history) == _algorithmic(full.history)
+    assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
+
+
+def test_a_huge_staleness_bound_checkpoints_version_0_and_the_newest_and_resumes_exactly(core_stub_rewards, tmp_path):
+    # s = 10**9 (deterministic): every batch starts on version 0 and none switches, so the step-4
+    # checkpoint needs version 0 (batches 4.. regenerate from it) and 4 (the policy), not 0..4.
+    s = 10**9
+    full, w_full = _micro_run(s=s)
+
+    def crash_at_5(step, metrics):
+        if step == 5:
+            raise _Crash()
+
+    with pytest.raises(_Crash):
+        _micro_run(s=s, ckpt_dir=str(tmp_path), progress=crash_at_5)
+    assert sorted(load_checkpoint(tmp_path / "step_000004")["weights_history"]) == [0, 4]
+    resumed, w_resumed = _micro_run(s=s, ckpt_dir=str(tmp_path))
     assert resumed.resumed_from == 4
     assert _algorithmic(resumed.history) == _algorithmic(full.history)
     assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)

@@ -15,7 +15,8 @@ from a3po.config import ConfigError, mid_batch_updates, preflight, preset, with_
 from a3po.data.arithmetic import WORDS, generate_split
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
-from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, WeightStore, clone_state
+from a3po.producer.producer import Admission, PromptSampler, RolloutProducer
+from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.engines import ROLLOUT_ENGINES, build_engine
 from a3po.rollout.logprob_mismatch import BehaviourCheck, behaviour_mismatch
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
@@ -66,7 +67,7 @@ def test_producer_refuses_mid_batch_updates_with_an_engine_that_cannot():
         mid_batch_updates = False
 
     model, tok = build_tiny_model("micro", WORDS, seed=0)
-    store = WeightStore(keep=2)
+    store = WeightStore()
     with pytest.raises(ValueError, match="cannot swap weights inside a batch"):
         RolloutProducer(BatchOnly(model, tok.eos_token_id, tok.pad_token_id), store, Admission(store, 1, 4),
                         None, SamplingParams(4), score=None, decode=None, max_staleness=1, schedule="deterministic", seed=0)
@@ -79,7 +80,7 @@ def test_between_batch_schedule_runs_each_batch_on_one_version(s):
     M, steps = 6, 4
     model, tok = build_tiny_model("micro", WORDS, seed=0)
     trainer_model, _ = build_tiny_model("micro", WORDS, seed=0)
-    store = WeightStore(keep=s + 2)
+    store = WeightStore()
     store.publish(0, clone_state(trainer_model))
     sampler = PromptSampler(generate_split(20, "train", 0), tok, batch_prompts=2, group_size=2, seed=0)
     producer = RolloutProducer(
@@ -131,7 +132,7 @@ def test_torch_engine_behaviour_logprobs_match_a_fresh_forward():
     # The torch engine decodes with a KV cache, the trainer runs one full forward: the same
     # math in another order, so equal to float32 rounding (the vLLM engine: test_vllm_engine.py).
     model, tok = build_tiny_model("micro", WORDS, seed=0)
-    store = WeightStore(keep=1)
+    store = WeightStore()
     store.publish(0, clone_state(model))
     engine = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id)
     prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in generate_split(6, "train", 0)]

@@ -15,7 +15,8 @@ from a3po.data.arithmetic import WORDS, generate_split
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
 from a3po.oppo.overcommit import CarryBuffer, DeltaController, OverlapProducer, pack_rollout, reward_slope
-from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
+from a3po.producer.producer import Admission, PromptSampler
+from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.storage.checkpoint import load_checkpoint, save_checkpoint
 from a3po.training.loop import rl_train
@@ -122,7 +123,7 @@ def test_every_admitted_group_is_trained_once_across_a_checkpoint_mid_carry_over
         torch.tensor(tok.eos_token_id), o.shape[-1]))
     rows = generate_split(40, "train", seed=0)
     sampler = PromptSampler(rows, tok, B, G, seed=0)
-    store = WeightStore(keep=4)
+    store = WeightStore()
     store.publish(0, clone_state(model))
     trainer_model, _ = build_tiny_model("micro", WORDS, seed=0)
     trained: list[tuple[int, list[dict], torch.Tensor]] = []  # (step, meta, versions)

@@ -83,7 +83,8 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     from a3po.config import RLConfig
     from a3po.data.arithmetic import WORDS
     from a3po.models.factory import build_tiny_model
-    from a3po.producer.producer import ScoredBatch, clone_state
+    from a3po.producer.producer import ScoredBatch
+    from a3po.producer.weight_store import clone_state
     from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
     from a3po.training.loop import train_step
 

@@ -19,7 +19,8 @@ from a3po.config import RLConfig, Variant, config_from_dict, proximal_method_nam
 from a3po.data.arithmetic import WORDS
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
-from a3po.producer.producer import ScoredBatch, clone_state
+from a3po.producer.producer import ScoredBatch
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutBatch
 from a3po.training.loop import train_step
 from bench.prox_logp import make_scored_batch

@@ -194,9 +194,14 @@ def test_one_process_with_a_rollout_worker_configured_fails_before_any_work(tmp_
     assert not (tmp_path / "out" / "cache").exists()
 
 
-def test_a_disaggregated_checkpoint_resumes_in_one_process():
-    """Where rollouts were generated does not change what a run computes (deterministic schedule)."""
+def test_the_number_of_rollout_workers_is_not_a_config_change_at_resume():
+    """Where rollouts were generated does not change what a run computes (deterministic schedule),
+    so a checkpoint written with rollout workers passes the resume check of a one-process run
+    (the resume itself needs a torchrun launch: beyond the fast tier)."""
     from a3po.config import config_differences, config_to_dict, preset, with_overrides
 
     base = preset("micro")
     assert config_differences(config_to_dict(with_overrides(base, distributed={"rollout_workers": 1})), config_to_dict(base)) == []
+    # ... while a change that does alter the run is still reported
+    changed = with_overrides(base, distributed={"rollout_workers": 1}, rl={"max_staleness": base.rl.max_staleness + 1})
+    assert config_differences(config_to_dict(changed), config_to_dict(base)) == ["rl.max_staleness"]

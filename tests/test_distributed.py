@@ -23,8 +23,9 @@ discrete figures (rewards, lengths, staleness, held-out accuracy) must be equal.
 this config): weights 4.1e-7 max abs apart at the end; worst metric 2.0e-6 relative
 (``policy/iw_p99``, a max-like figure that exponentiates log-prob noise), loss 4.1e-8 abs,
 ``policy/approx_kl`` 9.7e-8 abs; ZeRO-3 with every parameter partitioned: weights 3.5e-7, loss
-8.6e-8 abs, worst metric ``stability/trust_ratio_max`` 3.3e-5 abs on 14.07 (2.4e-6 relative). The tolerance is ``1e-4 * |x| + 1e-6`` (50x the worst relative,
-10x the worst absolute figure); weights 1e-5 abs, 25x. Checked to fail for the right reason:
+8.6e-8 abs, worst metric ``stability/trust_ratio_max`` 3.3e-5 abs on 14.07 (2.4e-6 relative).
+The tolerance is ``1e-4 * |x| + 1e-6`` (50x the worst relative, 10x the worst absolute figure);
+weights 1e-5 abs, 25x. Checked to fail for the right reason:
 without the world-size factor ``policy/grad_norm`` halves (0.96 vs 0.48 at step 2); with each
 rank normalising by its own token count the loss is 2.3e-4 off at step 2.
 """
@@ -178,7 +179,8 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage
 
     tmp, out = runs["tmp"], runs["tmp"] / f"killed-zero{zero_stage}"
     config = _config(tmp, zero_stage)
-    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
     try:
         kill_rank_after_first_checkpoint(proc, latest)
@@ -255,7 +257,7 @@ def test_bad_deepspeed_json_fails_at_config_time_naming_the_file(tmp_path, conte
 @needs_deepspeed
 def test_shipped_deepspeed_configs_are_accepted():
     from a3po.config import config_from_dict, preflight
-    from a3po.parallel.ranks import read_deepspeed_json, zero_stage
+    from a3po.config.preflight import read_deepspeed_json, zero_stage
 
     for stage in (1, 2, 3):
         path = REPO_ROOT / f"infra/deepspeed_zero{stage}.json"

@@ -23,7 +23,7 @@ from a3po.data.datasets import load_rows
 from a3po.devices import sampling_generator
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
-from a3po.producer.producer import clone_state
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.loop import rl_train, train_step
 from a3po.training.run import build_model

@@ -49,7 +49,7 @@ def test_streamed_tensors_equal_the_trainers_one_shot_functions():
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
     parts = micro_ppo_parts(policy, tok)
     critic, rm = parts.critic, parts.reward_model
-    intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id, keep=2)
+    intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id)
     try:
         intra.publish_critic(0, critic)
         prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("Question: Mia has 23 pens.", "Question: Sam", "Ava has 7")]

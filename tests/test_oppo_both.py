@@ -17,7 +17,8 @@ from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.oppo.intra import IntraScoring
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
-from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
+from a3po.producer.producer import Admission, PromptSampler
+from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.training.ppo_parts import build_critic, reward_model_scores, token_values
 from tests.support.cli_runs import TIMING
@@ -43,7 +44,7 @@ def _producer(model, tok, sampler, store, intra, start=0, delta=2):
         engine, store, Admission(store, 1, B * G, admitted=start * B * G), sampler, SamplingParams(M, 1.0),
         score=lambda comps, meta: [float(len(c)) for c in comps], decode=lambda t: " ".join(map(str, t)),
         max_staleness=1, schedule="deterministic", seed=0, start=start,
-        batch_groups=B, group_size=G, delta=DeltaController(delta, delta, delta, 0, 0, 2), intra=intra,
+        batch_groups=B, group_size=G, delta=DeltaController(delta, delta, delta, 0, 0, 2), stream=intra,
     )
 
 
@@ -71,9 +72,9 @@ def test_carried_then_finished_sequences_are_scored_as_one_shot(chunk):
     including answers decoded over two or more steps (re-prefilled prompt + partial answer)."""
     policy, tok = build_tiny_model("micro", WORDS, seed=0)
     parts = micro_ppo_parts(policy, tok)
-    intra = IntraScoring(parts, OppoConfig(chunk_min=chunk, chunk_max=chunk), tok.pad_token_id, keep=8)
+    intra = IntraScoring(parts, OppoConfig(chunk_min=chunk, chunk_max=chunk), tok.pad_token_id)
     hook = _eos_boost(policy, tok)
-    store = WeightStore(keep=8)
+    store = WeightStore()
     store.publish(0, clone_state(policy))
     sampler = PromptSampler(generate_split(40, "train", seed=0), tok, B, G, seed=0)
     producer = _producer(policy, tok, sampler, store, intra)
@@ -87,7 +88,7 @@ def test_carried_then_finished_sequences_are_scored_as_one_shot(chunk):
             carried_rows += sum(m["steps_seen"] >= 2 for m in scored.rollout.meta)
             assert scored.metrics["oppo/chunk_size"] == chunk
             # The chunk tuner's state travels with the batch, for the checkpoint of the batch trained last.
-            assert scored.intra_state is not None and scored.intra_state == intra.state_dict()
+            assert scored.stream_state is not None and scored.stream_state == intra.state_dict()
     finally:
         hook.remove()
         intra.close()
@@ -108,7 +109,7 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
     parts = micro_ppo_parts(policy, tok)
     hook = _eos_boost(policy, tok)
     sampler = PromptSampler(generate_split(40, "train", seed=0), tok, B, G, seed=0)
-    store = WeightStore(keep=4)
+    store = WeightStore()
     store.publish(0, clone_state(policy))
     trainer_model, _ = build_tiny_model("micro", WORDS, seed=0)
     critics = {0: clone_state(parts.critic)}
@@ -138,7 +139,7 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
             producer.join(timeout=30)
 
     try:
-        intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id, keep=4)
+        intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id)
         intra.publish_critic(0, parts.critic)
         try:
             consume(_producer(policy, tok, sampler, store, intra), intra, range(CKPT))
@@ -147,7 +148,7 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
         state = load_checkpoint(tmp_path / "step_000003")["oppo_state"]
         store.closed = False
         # New scorers, as a resumed run builds them (critic versions from intra_critic_history).
-        intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id, keep=4)
+        intra = IntraScoring(parts, OppoConfig(chunk_min=3, chunk_max=3), tok.pad_token_id)
         for v in range(CKPT - 1, CKPT + 1):
             intra.critic_store.publish(v, critics[v])
         resumed = _producer(policy, tok, sampler, store, intra, start=CKPT)

@@ -344,7 +344,7 @@ def test_resumed_ppo_run_equals_uninterrupted_run(core_stub_rewards, micro_warms
     The stub reward (digit fraction) varies on micro, so the advantages are not all zero."""
     from a3po.data.datasets import load_rows
     from a3po.models.factory import load_pretrained
-    from a3po.producer.producer import clone_state
+    from a3po.producer.weight_store import clone_state
     from a3po.training.loop import rl_train
 
     cfg = with_overrides(preset("micro"), rl={**PPO_MICRO["rl"], "steps": 6, "checkpoint_every": 2, "eval_every": 6}, ppo=PPO_MICRO["ppo"])

@@ -28,7 +28,7 @@ from a3po.config import WarmStartConfig
 from a3po.data.arithmetic import WORDS, generate_split
 from a3po.models.factory import TinyArch, build_tiny_model
 from a3po.models.logprobs import token_logprobs
-from a3po.producer.producer import clone_state
+from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,7 @@ Which weights score a batch:
   threads run them while intra is on);
 * the critic is trained by the trainer while the producer scores: the scorers read their own
   copy, loaded with the critic's snapshot **at the policy version the batch starts on** (the
-  rule of the policy's :class:`~a3po.producer.producer.WeightStore`; the trainer publishes critic
+  rule of the policy's :class:`~a3po.producer.weight_store.WeightStore`; the trainer publishes critic
   version ``v`` next to policy version ``v``). With ``max_staleness = 0`` that is the critic
   ``train_step`` would use, so values equal those of intra off (within float rounding of cached vs
   full attention, ~1e-7 in fp32). With ``s >= 1`` the values come from a critic up to ``s``
@@ -25,7 +25,7 @@ The chunk size comes from a :class:`~a3po.oppo.chunk_tuner.ChunkTuner` fed with 
 production time per generated token. Its pick depends on timing and chunks of another size round
 differently (~1e-7), so with ``chunk_min < chunk_max`` runs are reproducible to float rounding,
 not bit for bit; pin ``chunk_min = chunk_max`` for bitwise reproducible runs. The tuner's state
-after each batch travels with it (``ScoredBatch.intra_state``) and the checkpoint keeps the last
+after each batch travels with it (``ScoredBatch.stream_state``) and the checkpoint keeps the last
 trained batch's, so a resumed run continues the tuner's schedule (probe or exploit, costs, steps
 since the probe) where it was.
 """
@@ -39,7 +39,7 @@ import torch
 from a3po.config import OppoConfig
 from a3po.oppo.chunk_tuner import ChunkTuner
 from a3po.oppo.streaming import ChunkFeeder, LogProbHead, ValueHead, start_scorers, stop_scorers
-from a3po.producer.producer import WeightStore, clone_state
+from a3po.producer.weight_store import Retention, WeightStore, clone_state
 from a3po.rollout.padding import left_pad
 from a3po.training.ppo_parts import PPOParts
 
@@ -49,7 +49,7 @@ class IntraScoring:
     the engine), :meth:`finish` it (the tensors the trainer reuses); the trainer side
     :meth:`publish_critic` after each step."""
 
-    def __init__(self, ppo: PPOParts, oppo: OppoConfig, pad_token_id: int, keep: int) -> None:
+    def __init__(self, ppo: PPOParts, oppo: OppoConfig, pad_token_id: int, retention: Retention | None = None) -> None:
         models: dict[str, tuple[torch.nn.Module, object]] = {}
         if ppo.reference is not None:
             models["ref_logp"] = (ppo.reference, LogProbHead(ppo.temperature))
@@ -59,7 +59,7 @@ class IntraScoring:
             self.critic_copy = copy.deepcopy(ppo.critic).eval()
             for p in self.critic_copy.parameters():
                 p.requires_grad_(False)
-            self.critic_store = WeightStore(keep=keep)
+            self.critic_store = WeightStore(retention)
             models["values"] = (self.critic_copy, ValueHead())
         if ppo.reward_model is not None:
             # Per-position logits; the column is picked in finish() as the model's own forward does.

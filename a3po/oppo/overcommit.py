@@ -37,7 +37,6 @@ from typing import Callable
 import torch
 
 from a3po.devices import model_device, sampling_generator
-from a3po.grading.rewards import grader_counts
 from a3po.producer.producer import RolloutProducer, ScoredBatch, batch_seed
 from a3po.rollout.torch_engine import RolloutBatch
 
@@ -118,7 +117,7 @@ class CarryBuffer:
     def admit(self, group: int, prompts: list[list[int]], meta: list[dict], step: int) -> None:
         if group in self.groups:
             raise ValueError(f"group {group} admitted twice")
-        self.groups[group] = [Sample(group, list(p), dict(m), step) for p, m in zip(prompts, meta)]
+        self.groups[group] = [Sample(group, list(p), dict(m), step) for p, m in zip(prompts, meta, strict=True)]
 
     def active(self) -> list[Sample]:
         """Samples still generating, in admission order."""
@@ -245,19 +244,19 @@ class OverlapProducer(RolloutProducer):
             self.buffer.admit(self.next_group, prompts, meta, j)
             self.next_group += 1
         rows = self.buffer.active()
-        intra_metrics: dict[str, float] = {}
+        stream_metrics: dict[str, float] = {}
         if rows and len(self.buffer.complete()) < self.b:
             gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
             budget = torch.tensor([self.params.max_new_tokens - len(s.tokens) for s in rows])
             resumed = [s.prompt + s.tokens for s in rows]
             # Intra: the scorers prefill prompt + partial answer, as the engine does (see a3po.oppo.intra).
             scored_on = self.engine.version  # the critic version the scorers read
-            stream = {"on_token": self.intra.begin(resumed, scored_on)} if self.intra is not None else {}
+            stream = {"on_token": self.stream.begin(resumed, scored_on)} if self.stream is not None else {}
             rollout = self.engine.generate(
                 resumed, self.params, generator=gen, between_steps=self._between_steps(j),
                 row_budget=budget, stop_early=self._stop_when_b_complete(rows), **stream,
             )
-            streamed, intra_metrics = self.intra.finish(rollout.input_ids) if self.intra is not None else ({}, {})
+            streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
             p = rollout.prompt_len
             n_new = 0
             for i, s in enumerate(rows):
@@ -265,40 +264,33 @@ class OverlapProducer(RolloutProducer):
                 n_new += int(m.sum())
                 self.buffer.extend(s, rollout.input_ids[i, p:].cpu()[m].tolist(), rollout.behav_logp[i, p:].cpu()[m].tolist(),
                                    rollout.versions[i, p:].cpu()[m].tolist(), bool(rollout.finished[i]), j)
-                if self.intra is not None and s.done:  # the whole answer sits left of column p + new tokens
+                if self.stream is not None and s.done:  # the whole answer sits left of column p + new tokens
                     end = p + int(m.sum())
                     s.scored = {"version": scored_on, **{k: streamed[k][i, end - len(s.tokens):end].cpu().tolist()
                                                          for k in ("ref_logp", "values") if k in streamed}}
                     if "scores" in streamed:
                         s.scored["score"] = float(streamed["scores"][i])
-            if self.intra is not None:  # the chunk tuner's cost: producing time per generated token
-                self.intra.record(time.perf_counter() - t0, n_new, n_new / len(rows))
-        gen_time = time.perf_counter() - t0
+            if self.stream is not None:  # the chunk tuner's cost: producing time per generated token
+                self.stream.record(time.perf_counter() - t0, n_new, n_new / len(rows))
         taken = self.buffer.take(self.b)
         batch = pack_rollout(taken, self.engine.pad_token_id, model_device(self.engine.model))
-        streamed_batch = pack_streamed(taken, batch) if self.intra is not None else {}
-        completions = [self.decode(r) for r in batch.responses]
-        t1 = time.perf_counter()
-        with grader_counts() as grader:
-            rewards = torch.tensor(self.score(completions, batch.meta), dtype=torch.float32, device=batch.input_ids.device)
-        score_time = time.perf_counter() - t1
-        delta_used = self.delta.delta
-        self.delta.update(rewards.mean().item())
+        streamed_batch = pack_streamed(taken, batch) if self.stream is not None else {}
         carried = self.buffer.active() + [s for g in self.buffer.groups.values() for s in g if s.done]
         metrics = {
-            "oppo/delta": float(delta_used),
+            "oppo/delta": float(self.delta.delta),
             "oppo/carried": float(sum(1 for s in carried if s.tokens)),
             "oppo/carried_age_max": float(max((j + 1 - s.admitted_step for s in carried if s.tokens), default=0)),
             "oppo/trained_age_max": float(max(j - m["admitted_step"] for m in batch.meta)),
-            "perf/score_s": score_time,
-            **intra_metrics,
+            **stream_metrics,
         }
-        return ScoredBatch(j, batch, rewards, completions, gen_time, grader, metrics=metrics, producer_state=self.state_dict(),
-                           streamed=streamed_batch, intra_state=self.intra.state_dict() if self.intra is not None else None)
+        scored = self._score(j, batch, t0, streamed_batch, metrics)
+        self.delta.update(scored.rewards.mean().item())
+        scored.producer_state = self.state_dict()  # after the Delta update: the state batch j + 1 starts from
+        return scored
 
     def _produce_next(self, j: int) -> ScoredBatch:
         self.admission.admit(self.b * self.group_size)  # the bound counts trained samples, as without OPPO
-        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        self._load_start(j)
         return self.produce(j)
 
     def state_dict(self) -> dict:

@@ -2,7 +2,7 @@
 
 The launch is one trainer rank (global rank 0) followed by N rollout workers (ranks 1..N), e.g.
 ``torchrun --nproc_per_node 2`` with ``rollout_workers: 1``. Worker ``k`` generates batches
-``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.placements.local_producer`:
+``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.in_process.local_producer`:
 same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward function), so
 under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
 single-process run, bit for bit.
@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from a3po.config import effective_max_staleness
 from a3po.devices import model_device
 from a3po.parallel.ranks import Ranks
-from a3po.placement.placements import RolloutInputs, local_producer
-from a3po.producer.producer import ProducerFailed, ScoredBatch, WeightStore
+from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
+from a3po.producer.producer import ProducerFailed, ScoredBatch
+from a3po.producer.weight_store import WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
 
 TRAINER = 0  # global rank of the trainer
@@ -179,17 +179,24 @@ class RemoteRollouts:
                          threading.Thread(target=self._receive, name="rollout-receive", daemon=True)]
 
     def start(self) -> None:
+        self._hold(min(self.store.versions()))
         for t in self._threads:
             t.start()
 
+    def _hold(self, version: int) -> None:
+        # The store keeps every version not yet pushed, whatever the trainer has moved on to.
+        if self.store.retention is not None:
+            self.store.retention.hold("weight-push", version)
+
     def _push(self) -> None:
         try:
-            versions = sorted(self.store.history(since=0))
+            versions = self.store.versions()
             layout = state_layout(self.store.get(versions[-1]))
             _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_group)
             for v in versions:
                 _push_version(v, self.store.get(v), self.weights_group)
             last = versions[-1]
+            self._hold(last + 1)
             while True:
                 with self.store.cond:
                     while self.store.latest <= last and not self._halt.is_set():
@@ -198,6 +205,7 @@ class RemoteRollouts:
                 for v in range(last + 1, latest + 1):
                     _push_version(v, self.store.get(v), self.weights_group)
                     last = v
+                    self._hold(last + 1)
                 if halting:
                     break
             dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=TRAINER, group=self.weights_group)
@@ -258,11 +266,11 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     hello = _broadcast_json(None, weights_group)
     layout = state_layout(inp.policy.state_dict())
     if hello["layout"] != layout:
-        diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None]) if a != b)
+        diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
         raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer's weights do not fit this worker's model "
                            f"(trainer {diff[0]} vs worker {diff[1]}); both must load the same model")
     device = model_device(inp.policy)
-    store = WeightStore(keep=effective_max_staleness(inp.cfg.rl) + 2)
+    store = WeightStore(weight_retention(inp.cfg, end=hello["end"]))
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
         store.publish(*_receive_version(layout, device, weights_group))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers

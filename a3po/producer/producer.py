@@ -1,9 +1,11 @@
 """Asynchronous rollout/training controller: a producer thread generates rollouts while the
 trainer consumes them, with a bound on how stale a sample may be.
 
-* :class:`WeightStore` holds versioned policy weights. The trainer publishes version ``v+1``
-  after each update; the producer loads new versions, also between decode steps of a batch
-  already under way, so a sequence can mix tokens of two versions (each token records its own).
+* :class:`~a3po.producer.weight_store.WeightStore` holds versioned policy weights. The trainer
+  publishes version ``v+1`` after each update; the producer loads new versions, also between
+  decode steps of a batch already under way, so a sequence can mix tokens of two versions (each
+  token records its own). The store keeps a version only while a batch not yet trained can read
+  it (:class:`~a3po.producer.weight_store.Retention`).
 * :class:`Admission` is the staleness bound: never more samples admitted than
   ``(max_staleness + version + 1) * batch_size``. ``max_staleness = 0`` is synchronous RL.
 * Two schedules. ``threaded``: the producer free-runs (loads the newest weights whenever they
@@ -17,6 +19,8 @@ trainer consumes them, with a bound on how stale a sample may be.
   last (so from step ``s`` on every token is ``s`` versions stale, where the mid-batch switch
   makes half of them ``s - 1``: another trajectory than the default), ``threaded`` loads the
   newest version when a batch starts.
+* Work beside decoding (scoring the tokens with other models as they come) plugs in as a
+  :class:`StreamHook`; a producer with another batching rule subclasses :class:`RolloutProducer`.
 """
 
 from __future__ import annotations
@@ -27,17 +31,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
 from a3po.data.prompts import PromptStyle
 from a3po.grading.rewards import grader_counts
+from a3po.producer.weight_store import Stopped, WeightStore
 from a3po.rollout.engines import Engine
 from a3po.rollout.torch_engine import RolloutBatch, SamplingParams
-
-if TYPE_CHECKING:
-    from a3po.oppo.intra import IntraScoring
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -45,56 +47,7 @@ def batch_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7919 + 17) % (2**31 - 1)
 
 
-class Stopped(Exception):
-    """The controller was shut down while a thread was waiting."""
-
-
-def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the weights on the model's own device and dtype."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-class WeightStore:
-    """Versioned weights with a short history (the deterministic schedule and checkpoints
-    need the last ``keep`` versions, not only the newest)."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = max(1, keep)
-        self.cond = threading.Condition()
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}
-        self.latest = -1
-        self.closed = False
-
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        with self.cond:
-            self._weights[version] = state
-            self.latest = max(self.latest, version)
-            for v in [v for v in self._weights if v <= self.latest - self.keep]:
-                del self._weights[v]
-            self.cond.notify_all()
-
-    def wait_until(self, predicate: Callable[[], bool]) -> None:
-        with self.cond:
-            while not predicate():
-                if self.closed:
-                    raise Stopped()
-                self.cond.wait(timeout=1.0)
-
-    def get(self, version: int) -> dict[str, torch.Tensor]:
-        self.wait_until(lambda: self.latest >= version)
-        with self.cond:
-            if version not in self._weights:
-                raise KeyError(f"policy version {version} is no longer kept (have {sorted(self._weights)})")
-            return self._weights[version]
-
-    def history(self, since: int) -> dict[int, dict[str, torch.Tensor]]:
-        with self.cond:
-            return {v: s for v, s in self._weights.items() if v >= since}
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
+DEFAULT_STYLE = PromptStyle()
 
 
 class Admission:
@@ -123,7 +76,7 @@ class PromptSampler:
     """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts.
     Prompts are formatted by ``style`` (chat template, instruction) before tokenising."""
 
-    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int, style: PromptStyle = PromptStyle()) -> None:
+    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int, style: PromptStyle = DEFAULT_STYLE) -> None:
         self.rows, self.batch_prompts, self.group_size, self.seed = rows, batch_prompts, group_size, seed
         self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in rows]
 
@@ -138,6 +91,22 @@ class PromptSampler:
         return prompts, meta
 
 
+class StreamHook(Protocol):
+    """Work done beside decoding, fed token by token (e.g. reference, critic and reward-model
+    scores computed while the policy decodes). The producer calls, per batch: :meth:`begin` before
+    decoding (the ``on_token`` hook it returns goes to the engine), :meth:`finish` after it,
+    :meth:`record` with the batch's production time, and :meth:`state_dict` for the batch's
+    checkpoint."""
+
+    def begin(self, prompts: list[list[int]], version: int) -> Callable: ...
+
+    def finish(self, input_ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, float]]: ...
+
+    def record(self, seconds: float, generated_tokens: int, mean_length: float) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+
 @dataclass
 class ScoredBatch:
     index: int
@@ -146,10 +115,10 @@ class ScoredBatch:
     completions: list[str]
     gen_time_s: float
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
-    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (oppo/*, perf/*)
-    producer_state: dict | None = None  # JSON state after producing this batch (OPPO carry-over), for checkpoints
-    intra_state: dict | None = None  # JSON state of OPPO intra's chunk tuner after this batch, for checkpoints
-    streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # scored while decoding (OPPO intra: ref_logp, values, scores)
+    metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (perf/*, the hook's)
+    producer_state: dict | None = None  # JSON state of the producer after this batch (e.g. a carry-over buffer), for checkpoints
+    stream_state: dict | None = None  # JSON state of the stream hook after this batch, for checkpoints
+    streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # what the stream hook scored while decoding (e.g. ref_logp, values, scores)
 
 
 class ProducerFailed(RuntimeError):
@@ -159,7 +128,8 @@ class ProducerFailed(RuntimeError):
 class RolloutProducer(threading.Thread):
     """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
     under the admission bound. In a trainer process: every batch; in one of k rollout workers
-    (:mod:`a3po.placement.rollout_workers`): every k-th."""
+    (:mod:`a3po.placement.rollout_workers`): every k-th. Subclasses change how a batch is
+    generated (:meth:`_produce_next`) and share how it is scored (:meth:`_score`)."""
 
     def __init__(
         self,
@@ -178,10 +148,10 @@ class RolloutProducer(threading.Thread):
         end: int | None = None,
         mid_batch_updates: bool = True,
         check: Callable[[RolloutBatch], dict[str, float]] | None = None,
-        intra: "IntraScoring | None" = None,
+        stream: StreamHook | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
-        self.intra = intra  # OPPO intra-step overlap: scorers fed chunk by chunk while decoding (a3po.oppo.intra)
+        self.stream = stream
         if mid_batch_updates and not engine.mid_batch_updates:
             raise ValueError(f"{type(engine).__name__} cannot swap weights inside a batch; use mid_batch_updates=False")
         self.mid_batch_updates, self.check = mid_batch_updates, check
@@ -193,10 +163,22 @@ class RolloutProducer(threading.Thread):
         self._halt = threading.Event()
         # Decode on the builder's thread count, whatever the trainer thread sets later (a3po.training.threads).
         self.threads = torch.get_num_threads()
+        self._hold_key = f"producer-{id(self)}"
+        self._hold(engine.version)
+
+    def _hold(self, version: int) -> None:
+        # Threaded: the store keeps what this batch may load from here on (see Retention).
+        if self.store.retention is not None and self.schedule == "threaded":
+            self.store.retention.hold(self._hold_key, version)
 
     def _load(self, version: int) -> None:
         if version != self.engine.version:
             self.engine.load_weights(self.store.get(version), version)
+
+    def _load_start(self, j: int) -> None:
+        """The version batch ``j`` starts on."""
+        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        self._hold(self.engine.version)
 
     def _between_steps(self, j: int) -> Callable[[int], int | None]:
         if self.schedule == "deterministic":
@@ -222,23 +204,28 @@ class RolloutProducer(threading.Thread):
     def _produce_next(self, j: int) -> ScoredBatch:
         prompts, meta = self.sampler.batch(j)
         self.admission.admit_batch(j, len(prompts))
-        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        self._load_start(j)
         t0 = time.perf_counter()
         hook = self._between_steps(j) if self.mid_batch_updates else None
-        stream = {"on_token": self.intra.begin(prompts, self.engine.version)} if self.intra is not None else {}
+        stream = {"on_token": self.stream.begin(prompts, self.engine.version)} if self.stream is not None else {}
         rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
-        streamed, intra_metrics = self.intra.finish(rollout.input_ids) if self.intra is not None else ({}, {})
+        streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
+        if self.stream is not None:  # e.g. a chunk-size tuner: producing time per generated token
+            n_gen = int(rollout.response_mask.sum())
+            self.stream.record(time.perf_counter() - t0, n_gen, n_gen / len(rollout))
+        checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
+        return self._score(j, rollout, t0, streamed, {**checks, **stream_metrics})
+
+    def _score(self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float]) -> ScoredBatch:
+        """The shared tail: decode, grade, and pack batch ``j``; its ``gen_time_s`` runs from ``t0``
+        (generation began) to graded."""
         completions = [self.decode(r) for r in rollout.responses]
         t1 = time.perf_counter()
-        if self.intra is not None:  # the chunk tuner's cost: producing time per generated token
-            n_gen = int(rollout.response_mask.sum())
-            self.intra.record(t1 - t0, n_gen, n_gen / len(rollout))
         with grader_counts() as grader:
-            rewards = torch.tensor(self.score(completions, meta), dtype=torch.float32, device=rollout.input_ids.device)
+            rewards = torch.tensor(self.score(completions, rollout.meta), dtype=torch.float32, device=rollout.input_ids.device)
         t2 = time.perf_counter()
-        checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
-        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **checks, **intra_metrics},
-                           streamed=streamed, intra_state=self.intra.state_dict() if self.intra is not None else None)
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **metrics}, streamed=streamed,
+                           stream_state=self.stream.state_dict() if self.stream is not None else None)
 
     def run(self) -> None:
         torch.set_num_threads(self.threads)
@@ -255,6 +242,8 @@ class RolloutProducer(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.store.close()
+        if self.store.retention is not None:
+            self.store.retention.release(self._hold_key)
 
     def close(self) -> None:
         """Release the engine (after ``stop`` and ``join``; a vLLM engine holds a process and memory)."""

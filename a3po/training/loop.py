@@ -25,9 +25,12 @@ from a3po.config import RLConfig, TrainConfig, config_differences, config_to_dic
 from a3po.devices import synchronize
 from a3po.grading.rewards import check_grader, score_completions
 from a3po.models.logprobs import token_logprobs
-from a3po.parallel.ranks import LocalUpdater, Ranks, Updater, init_ranks, make_updater, plain_model
-from a3po.placement.placements import ROLLOUT_PLACEMENTS, RolloutInputs, placement_name
-from a3po.producer.producer import ScoredBatch, WeightStore, clone_state
+from a3po.parallel.ranks import Ranks, init_ranks
+from a3po.parallel.updaters import LocalUpdater, Updater, make_updater, plain_model
+from a3po.placement.in_process import RolloutInputs, weight_retention
+from a3po.placement.registry import ROLLOUT_PLACEMENTS, placement_name
+from a3po.producer.producer import ScoredBatch
+from a3po.producer.weight_store import Retention, WeightStore, clone_state
 from a3po.storage.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from a3po.training.heldout import evaluate_heldout
 from a3po.training.metrics import MetricLogger, NullLogger, rewind_logger
@@ -61,7 +64,7 @@ def train_step(
 ) -> dict[str, float]:
     """One policy update on one (possibly stale) batch; returns the step's metrics.
 
-    ``optimizer`` is a torch optimizer (one process) or an :class:`a3po.parallel.ranks.Updater`;
+    ``optimizer`` is a torch optimizer (one process) or an :class:`a3po.parallel.updaters.Updater`;
     under data parallelism every rank holds the whole batch and trains on its shard of each
     minibatch, and the metrics are those of the whole minibatch on every rank. ``ppo`` holds the
     reward model, reference and critic when the config uses them (see :mod:`a3po.training.ppo_parts`)."""
@@ -198,12 +201,12 @@ def _value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
     }
 
 
-def _start_intra(cfg: TrainConfig, ppo: PPOParts, tokenizer, state: dict | None, start: int):
+def _start_intra(cfg: TrainConfig, ppo: PPOParts, tokenizer, state: dict | None, start: int, retention: Retention):
     """The scorer threads of OPPO's intra-step overlap, with the critic versions the producer
     will ask for: the checkpoint's history on resume, the current critic as version ``start``."""
     from a3po.oppo.intra import IntraScoring
 
-    intra = IntraScoring(ppo, cfg.oppo, tokenizer.pad_token_id, keep=effective_max_staleness(cfg.rl) + 2)
+    intra = IntraScoring(ppo, cfg.oppo, tokenizer.pad_token_id, retention)
     for v, w in sorted((state or {}).get("intra_critic_history", {}).items()):
         intra.critic_store.publish(int(v), w)
     if (state or {}).get("intra_state") is not None:  # the chunk tuner continues its schedule
@@ -295,7 +298,7 @@ def rl_train(
     progress = progress if ranks.is_main else None
     s = effective_max_staleness(rl)
     method = PROXIMAL_METHODS.get(proximal_method_name(rl))
-    store = WeightStore(keep=s + 2)
+    store = WeightStore(weight_retention(cfg))  # a version while a batch not yet trained can read it
     history: list[dict[str, float]] = []
     eval_curve: list[tuple[int, float]] = []
     start, train_wall, resumed_from = 0, 0.0, None
@@ -356,10 +359,10 @@ def rl_train(
         eval_curve = [(0, warmstart_acc)]
 
     # OPPO intra-step overlap: the producer's scorers read the critic's version of each batch (a3po.oppo.intra).
-    intra = _start_intra(cfg, ppo, tokenizer, state, start) if cfg.oppo.intra else None
+    intra = _start_intra(cfg, ppo, tokenizer, state, start, store.retention) if cfg.oppo.intra else None
     if intra is not None:
         rollout_inputs = replace(rollout_inputs, intra=intra)
-    # Rollouts come from a thread of this process or from rollout-worker processes (a3po.placement.placements).
+    # Rollouts come from a thread of this process or from rollout-worker processes (a3po.placement.registry).
     producer = ROLLOUT_PLACEMENTS.get(placement_name(cfg.distributed))(rollout_inputs, store, start, ranks)
     if cfg.oppo.inter and state is not None:
         producer.load_state_dict(state["oppo_state"])  # the carry-over buffer as it was before batch `start`
@@ -386,7 +389,7 @@ def rl_train(
             metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": train_wall, "version": float(step + 1)})
             metrics.update(scored.metrics)
             metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
-            producer_state, intra_state = scored.producer_state, scored.intra_state
+            producer_state, intra_state = scored.producer_state, scored.stream_state
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 held = ranks.from_main(heldout() if ranks.is_main else None)
                 eval_curve.append((step + 1, held["eval/heldout_acc"]))

@@ -20,7 +20,8 @@ from a3po.config import TrainConfig, preflight, warmstart_key
 from a3po.data.datasets import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
-from a3po.parallel.ranks import plain_model, ranks_from_env
+from a3po.parallel.ranks import ranks_from_env
+from a3po.parallel.updaters import plain_model
 from a3po.training.heldout import evaluate_heldout
 from a3po.training.loop import TrainResult, rl_train
 from a3po.training.metrics import MetricLogger

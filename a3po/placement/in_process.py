@@ -1,0 +1,71 @@
+"""A producer thread in this process: what generating and scoring need (:class:`RolloutInputs`)
+and how a producer is built from them (:func:`local_producer`), the same in a trainer process and
+in a rollout worker (:mod:`a3po.placement.rollout_workers`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates
+from a3po.data.datasets import prompt_style
+from a3po.oppo.overcommit import DeltaController, OverlapProducer
+from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
+from a3po.producer.weight_store import Retention, WeightStore
+from a3po.rollout.engines import build_engine
+from a3po.rollout.torch_engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What generating and scoring need, whichever process does it."""
+
+    cfg: TrainConfig
+    policy: torch.nn.Module
+    tokenizer: object
+    train_rows: list[dict]
+    score: Callable[[list[str], list[dict]], list[float]]  # (completions, meta) -> rewards
+    intra: StreamHook | None = None  # a3po.oppo.intra.IntraScoring with oppo.intra (in-process placement only)
+
+
+def local_producer(
+    inp: RolloutInputs, store: WeightStore, start: int, stride: int = 1, end: int | None = None, check: Callable | None = None
+) -> RolloutProducer:
+    """A producer thread (with OPPO's carry-over when ``oppo.inter``) sampling from the engine
+    ``rollout.engine`` names, which starts on the store's newest weights; the same construction
+    in a trainer process and in a rollout worker. ``check(rollout)``: extra per-batch figures."""
+    rl, tok = inp.cfg.rl, inp.tokenizer
+    s = effective_max_staleness(rl)
+    engine = build_engine(inp.policy, tok, store.get(store.latest), store.latest, inp.cfg)
+    batch_size = rl.batch_prompts * rl.group_size
+    # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
+    oppo = inp.cfg.oppo
+    overlap = dict(batch_groups=rl.batch_prompts, group_size=rl.group_size, delta=DeltaController(
+        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.d_inc, oppo.d_dec, oppo.window)) if oppo.inter else {}
+    return (OverlapProducer if oppo.inter else RolloutProducer)(
+        engine,
+        store,
+        Admission(store, s, batch_size, admitted=start * batch_size),
+        PromptSampler(inp.train_rows, tok, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(inp.cfg.data)),
+        SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_p),
+        score=inp.score,
+        decode=lambda toks: tok.decode([t for t in toks if t != tok.eos_token_id], skip_special_tokens=True),
+        max_staleness=s,
+        schedule=rl.schedule,
+        seed=rl.seed,
+        start=start,
+        stride=stride,
+        end=end,
+        mid_batch_updates=mid_batch_updates(inp.cfg.rollout),
+        check=check,
+        **overlap,
+        stream=inp.intra,
+    )
+
+
+def weight_retention(cfg: TrainConfig, end: int | None = None) -> Retention:
+    """How long the run's weight stores keep a version (:class:`~a3po.producer.weight_store.Retention`):
+    while a batch before ``end`` (default ``rl.steps``) not yet trained can read it."""
+    return Retention(effective_max_staleness(cfg.rl), cfg.rl.schedule, cfg.rl.steps if end is None else end)

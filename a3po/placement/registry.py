@@ -1,0 +1,59 @@
+"""Where rollouts are generated, one registered placement per topology; the trainer picks one by
+config and sees the same interface (:class:`Producer`) whichever it gets.
+
+* ``in_process`` (``distributed.rollout_workers: 0``): a thread of the trainer process samples
+  from its own copy of the policy (:func:`a3po.placement.in_process.local_producer`).
+* ``workers`` (``rollout_workers: N``): N processes of their own generate and score; the trainer
+  side pushes each weight version to them and receives their batches
+  (:class:`a3po.placement.rollout_workers.RemoteRollouts`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.config import DistributedConfig, proximal_method_name
+from a3po.parallel.ranks import Ranks
+from a3po.placement.in_process import RolloutInputs, local_producer
+from a3po.placement.rollout_workers import RemoteRollouts
+from a3po.producer.producer import ScoredBatch
+from a3po.producer.weight_store import WeightStore
+from a3po.registry import Registry
+from a3po.rollout.logprob_mismatch import BehaviourCheck
+
+
+class Producer(Protocol):
+    """What the training loop asks of a placement."""
+
+    def start(self) -> None: ...
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+PlacementFactory = Callable[[RolloutInputs, WeightStore, int, Ranks], Producer]
+ROLLOUT_PLACEMENTS: Registry[PlacementFactory] = Registry("rollout placement")
+
+
+def placement_name(distributed: DistributedConfig) -> str:
+    return "workers" if distributed.rollout_workers else "in_process"
+
+
+@ROLLOUT_PLACEMENTS.register("in_process")
+def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
+    # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward.
+    checks = PROXIMAL_METHODS.get(proximal_method_name(inp.cfg.rl)).checks_behaviour
+    check = BehaviourCheck(inp.policy, store.get, inp.cfg.rl.temperature) if checks else None
+    # Up to the run's last batch: a batch past it would read a version the store no longer keeps.
+    return local_producer(inp, store, start, end=inp.cfg.rl.steps, check=check)
+
+
+@ROLLOUT_PLACEMENTS.register("workers")
+def workers(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
+    return RemoteRollouts(inp, store, start, ranks)
