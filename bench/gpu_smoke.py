@@ -35,7 +35,7 @@ from a3po.devices import Device, DType, model_device, resolve_device, sampling_g
 from a3po.models.factory import count_parameters
 from a3po.producer.producer import batch_seed, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-from a3po.training.loop import train_step
+from a3po.training.step import train_step
 from bench.prox_logp import with_seeded_rewards
 
 

@@ -85,9 +85,9 @@ import torch
 from a3po.config import TrainConfig
 from a3po.data.datasets import prompt_style
 from a3po.grading.rewards import score_completions
+from a3po.models.critic import build_critic, frozen_copy, load_reward_model
 from a3po.producer.producer import PromptSampler
-from a3po.training.loop import learning_rate
-from a3po.training.ppo_parts import build_critic, frozen_copy, load_reward_model
+from a3po.training.lr_schedule import learning_rate
 from a3po.training.threads import usable_cores
 
 INSTALL_TRL_PPO = ("python3 -m venv /work/trl112-venv && /work/trl112-venv/bin/pip install torch==2.13.0 && "

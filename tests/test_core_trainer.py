@@ -21,7 +21,7 @@ from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.producer.producer import ScoredBatch, clone_state
 from a3po.rollout.torch_engine import RolloutBatch
-from a3po.training.loop import train_step
+from a3po.training.step import train_step
 from bench.prox_logp import make_scored_batch
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
@@ -195,7 +195,7 @@ def test_loglinear_on_fresh_batch_equals_recompute_over_several_minibatches(setu
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    from a3po.training.loop import learning_rate
+    from a3po.training.lr_schedule import learning_rate
 
     rl = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="cosine", lr_min_ratio=0.1)
     lrs = [learning_rate(rl, s) for s in range(rl.steps)]

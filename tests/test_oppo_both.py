@@ -13,13 +13,13 @@ import torch
 
 from a3po.config import OppoConfig, preset, with_overrides
 from a3po.data.arithmetic import WORDS, generate_split
+from a3po.models.critic import build_critic, reward_model_scores, token_values
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.oppo.intra import IntraScoring
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
 from a3po.producer.producer import Admission, PromptSampler, WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-from a3po.training.ppo_parts import build_critic, reward_model_scores, token_values
 from tests.support.ppo_parts import micro_ppo_parts
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")

@@ -15,7 +15,7 @@ The embedded task has an exact grader; the reward model is the PPO path's other 
 4. :func:`prepare_reward_model`: all of it once per (warm start, settings), cached in a folder
    named by a key, like the warm start (``a3po.training.run.prepare_warmstart``).
 
-Its reward is ``sigmoid(logit)`` (``a3po.training.ppo_parts.reward_model_scores``): P(correct), the grader's scale.
+Its reward is ``sigmoid(logit)`` (``a3po.models.critic.reward_model_scores``): P(correct), the grader's scale.
 """
 
 from __future__ import annotations
