@@ -141,6 +141,7 @@ def rl_train(
     resumed = resume(ckpt_dir, cfg, on_skip=skipped.append)
     updater, store = _restore(cfg, policy, ppo, resumed, ranks)
     run = resumed or RunState(step=0, warmstart_acc=warmstart_acc, config=config_to_dict(cfg))
+    resumed_from = resumed.step if resumed is not None else None  # run.step moves on with the loop
     rewind_logger(logger, run.step, run.history)  # a file logger drops lines of steps after the checkpoint
     if store.latest < run.step:
         with updater.full_weights():  # the rollout copy reads full weights (gathered under ZeRO-3)
@@ -180,7 +181,7 @@ def rl_train(
     return TrainResult(
         variant=rl.variant.value, seed=rl.seed, warmstart_acc=run.warmstart_acc, final_acc=run.eval_curve[-1][1], steps=rl.steps,
         wall_s=time.perf_counter() - t_run, history=run.history, eval_curve=run.eval_curve, checkpoint=last_ckpt,
-        resumed_from=resumed.step if resumed is not None else None, checkpoints_skipped=skipped,
+        resumed_from=resumed_from, checkpoints_skipped=skipped,
         final_weights=store.get(store.latest) if updater.partitioned else None,
     )
 
