@@ -18,7 +18,8 @@ from a3po.config import ConfigError, config_from_dict, preset, with_overrides
 from a3po.training.ppo_parts import PPOParts
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
-PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
+PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean",
+               "ppo/value_clip_frac")
 
 
 # --- pure functions, by hand -------------------------------------------------------------

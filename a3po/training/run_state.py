@@ -32,7 +32,7 @@ class RunState:
     ``policy`` and ``optimizer`` are set only on a state read from a checkpoint."""
 
     step: int
-    warmstart_acc: float
+    warmstart_acc: float | None  # None until the run measures it (its first held-out evaluation)
     config: dict
     history: list[dict[str, float]] = field(default_factory=list)  # per-step metrics, steps 1..step
     eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acc)
