@@ -2,7 +2,8 @@
 pinned to each other where they must coincide (on-policy first minibatch).
 
 The batch is a real rollout of the "micro" model (see ``bench.prox_logp.make_scored_batch``):
-4 prompts x group 2 = 8 sequences, up to 6 generated tokens, seeded rewards.
+4 prompts x group 2 = 8 sequences, up to 6 generated tokens, seeded rewards. Also: the learning-rate
+schedule, and the run state a checkpoint holds (its keys on disk).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from a3po.training.ppo_parts import PPOParts
 
 
 class Extension(Protocol):
+    """What the loop asks of a part of the run beside the policy."""
+
     def state(self) -> dict[str, Any]:
         """Its checkpoint entries as of the last update, under their keys on disk."""
         ...
