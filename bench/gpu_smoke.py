@@ -5,7 +5,7 @@ intermediate 4864, vocab 151936, tied embeddings; ~494M parameters), built from 
 random weights: no download, no tokenizer, prompts are random token ids. Each variant (sync,
 recompute, loglinear) runs ``--steps`` RL steps through the library's own rollout engine
 (``a3po.rollout.torch_engine.RolloutEngine``, sampling from a lagging copy of the weights, so async batches
-are ``--staleness`` versions old) and ``a3po.training.loop.train_step``. Rewards are seeded uniform
+are ``--staleness`` versions old) and ``a3po.training.step.train_step``. Rewards are seeded uniform
 numbers (a random model solves nothing; timings do not depend on what is rewarded).
 
     python -m bench.gpu_smoke                    # real size; cuda + bfloat16 when available
@@ -36,7 +36,7 @@ from a3po.models.factory import count_parameters
 from a3po.producer.producer import batch_seed
 from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-from a3po.training.loop import train_step
+from a3po.training.step import train_step
 from bench.prox_logp import with_seeded_rewards
 
 

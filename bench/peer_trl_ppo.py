@@ -13,9 +13,9 @@ ends with a "not run" JSON line.
 
 The work is bench.oppo's PPO path with OPPO off (the ``tiny-ppo`` settings on the long-tailed
 workload): the same policy (the warm start, or the tiny init without ``--warmstart-cache``), the
-same critic (``a3po.training.ppo_parts.build_critic``: the policy's backbone with a fresh one-label
+same critic (``a3po.models.critic.build_critic``: the policy's backbone with a fresh one-label
 token-classification head; TRL reads it through ``base_model_prefix`` and ``score``), the same
-frozen reference (``a3po.training.ppo_parts.frozen_copy``), the same prompts in the same order (the project's
+frozen reference (``a3po.models.critic.frozen_copy``), the same prompts in the same order (the project's
 ``PromptSampler``: batch ``j`` is ``batch_prompts`` prompts x ``group_size`` samples, fed to TRL
 unshuffled, one response per row) and the same reward. TRL's PPO only takes a reward *model*
 (``get_reward`` runs ``getattr(rm, rm.base_model_prefix)`` and ``rm.score(hidden[-1])``, read at
@@ -40,7 +40,7 @@ Settings, TRL 1.12 ``PPOConfig`` <- the project's config:
     kl_coef, kl_estimator         <- ppo.kl_coef, ppo.kl_estimator (per-token penalty in the rewards)
     whiten_rewards, missing_eos_penalty <- False, None (the project does neither)
     optimizer                     <- AdamW, weight decay 0, two groups: the policy at rl.lr on the
-                                     project's schedule (a3po.training.loop.learning_rate: warm-up, cosine),
+                                     project's schedule (a3po.training.lr_schedule.learning_rate: warm-up, cosine),
                                      the critic at ppo.critic_lr, constant (the project's own critic optimizer)
     seed, fp32, CPU, no gradient checkpointing, no logging/saving.
     threads                       <- --trl-threads (0: every usable core, as bench/peer_trl.py gives TRL's
@@ -85,9 +85,9 @@ import torch
 from a3po.config import TrainConfig
 from a3po.data.datasets import prompt_style
 from a3po.grading.rewards import score_completions
+from a3po.models.critic import build_critic, frozen_copy, load_reward_model
 from a3po.producer.producer import PromptSampler
-from a3po.training.loop import learning_rate
-from a3po.training.ppo_parts import build_critic, frozen_copy, load_reward_model
+from a3po.training.lr_schedule import learning_rate
 from a3po.training.threads import usable_cores
 from bench._peer_venvs import TRL_PPO
 from bench._ppo_workload import parse_args, setting_config, setting_model
@@ -149,7 +149,7 @@ class GraderReward(torch.nn.Module):
 
 class SigmoidReward(torch.nn.Module):
     """A one-label sequence-classification reward model as the project scores with it
-    (``sigmoid(logit)``, ``a3po.training.ppo_parts.reward_model_scores``), behind TRL's interface."""
+    (``sigmoid(logit)``, ``a3po.models.critic.reward_model_scores``), behind TRL's interface."""
 
     def __init__(self, rm: torch.nn.Module) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ On one rollout batch and from the same starting weights, side by side in one run
 (a) the proximal log-probs themselves: ``loglinear`` (the ``PROXIMAL_METHODS`` call, given the
     theta log-probs the training forward already produced) against ``recompute`` (the extra
     no-grad forward pass, ``token_logprobs``), median over repeats;
-(b) the whole ``a3po.training.loop.train_step`` for the variants sync / recompute / loglinear, weights
+(b) the whole ``a3po.training.step.train_step`` for the variants sync / recompute / loglinear, weights
     re-loaded before every step, the order rotated each repeat (fair on a noisy machine).
 
     python -m bench.prox_logp                    # "small" model (~8M params), batch 64, ~2.5 min on 2 cores
@@ -33,7 +33,7 @@ from a3po.models.logprobs import token_logprobs
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutBatch, RolloutEngine, SamplingParams
-from a3po.training.loop import train_step
+from a3po.training.step import train_step
 
 MIN_BENCH_PARAMS = 5_000_000  # below this a forward pass is too cheap to show what loglinear saves
 

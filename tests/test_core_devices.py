@@ -15,8 +15,8 @@ from a3po.devices import Device, DType, resolve_device
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.producer.weight_store import clone_state
-from a3po.training.loop import train_step
 from a3po.training.run import build_model, warmstart_key
+from a3po.training.step import train_step
 from bench.prox_logp import make_scored_batch
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")

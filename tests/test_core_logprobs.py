@@ -5,7 +5,7 @@ that all go through these functions, so a common-mode error would pass them).
 ``sampling_log_softmax`` (``a3po/models/logprobs.py``): ``log softmax(logits / T)``, then the
 top-p nucleus (the smallest prefix of the tokens sorted by probability whose mass reaches p),
 renormalised; tokens outside it get ``-inf``.
-``token_values`` (``a3po/training/ppo_parts.py``): column ``t`` is the critic head's output at
+``token_values`` (``a3po/models/critic.py``): column ``t`` is the critic head's output at
 position ``t - 1`` (the value of the prefix before token ``t``); column 0 is 0.
 """
 
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from a3po.models.critic import token_values
 from a3po.models.logprobs import sampling_log_softmax
-from a3po.training.ppo_parts import token_values
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

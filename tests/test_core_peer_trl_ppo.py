@@ -83,7 +83,7 @@ def test_grader_behind_trls_reward_model_interface_scores_each_row_against_its_p
 
 
 def test_reward_model_behind_trls_interface_scores_as_the_project_does():
-    from a3po.training.ppo_parts import reward_model_scores
+    from a3po.models.critic import reward_model_scores
     from a3po.training.reward_model import build_reward_model
 
     policy, tok = build_tiny_model("micro", WORDS, seed=0)

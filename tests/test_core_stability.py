@@ -26,7 +26,7 @@ import torch
 
 from a3po.algorithms.losses import decoupled_ppo_loss
 from a3po.algorithms.stability import TokenStats, quantile, stability_metrics
-from a3po.training.loop import combine_minibatch_metrics
+from a3po.training.step import combine_minibatch_metrics
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 

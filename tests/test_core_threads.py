@@ -86,7 +86,7 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     from a3po.producer.producer import ScoredBatch
     from a3po.producer.weight_store import clone_state
     from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-    from a3po.training.loop import train_step
+    from a3po.training.step import train_step
 
     model, tok = build_tiny_model("tiny", WORDS, seed=0)
     prompts = [tok(f"{a} {b}", add_special_tokens=False)["input_ids"] for a in WORDS[:8] for b in WORDS[:4]]

@@ -2,7 +2,8 @@
 pinned to each other where they must coincide (on-policy first minibatch).
 
 The batch is a real rollout of the "micro" model (see ``bench.prox_logp.make_scored_batch``):
-4 prompts x group 2 = 8 sequences, up to 6 generated tokens, seeded rewards.
+4 prompts x group 2 = 8 sequences, up to 6 generated tokens, seeded rewards. Also: the learning-rate
+schedule, and the run state a checkpoint holds (its keys on disk).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from a3po.models.logprobs import token_logprobs
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import clone_state
 from a3po.rollout.torch_engine import RolloutBatch
-from a3po.training.loop import train_step
+from a3po.training.step import train_step
 from bench.prox_logp import make_scored_batch
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
@@ -128,7 +129,7 @@ def test_on_policy_first_minibatch_loglinear_d0_equals_ppo_clip_with_real_model(
     g_ppo = torch.autograd.grad(l_ppo, params)
     # |r - 1| <= gap ~ 1e-6 per token: relative differences of that order; tolerance 1e-4.
     torch.testing.assert_close(l_dec, l_ppo, rtol=1e-4, atol=1e-7)
-    for a, c in zip(g_dec, g_ppo):
+    for a, c in zip(g_dec, g_ppo, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-7)
 
 
@@ -196,13 +197,13 @@ def test_loglinear_on_fresh_batch_equals_recompute_over_several_minibatches(setu
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    from a3po.training.loop import learning_rate
+    from a3po.training.lr_schedule import learning_rate
 
     rl = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="cosine", lr_min_ratio=0.1)
     lrs = [learning_rate(rl, s) for s in range(rl.steps)]
     assert lrs[0] == pytest.approx(1e-5) and lrs[9] == pytest.approx(1e-4)  # linear warm-up
     assert lrs[10] == pytest.approx(1e-4)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # monotone decay after it
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))  # monotone decay after it
     assert lrs[60] == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5))  # half way: the mean of peak and floor
     assert lrs[-1] > 1e-5 and learning_rate(rl, rl.steps) == pytest.approx(1e-5)  # the floor where the schedule ends
     constant = RLConfig(lr=1e-4, lr_warmup_steps=10, steps=110, lr_schedule="constant")
@@ -346,3 +347,37 @@ def test_train_step_stability_statistics_are_over_the_steps_tokens():
     assert metrics["stability/behav_iw_mean"] == pytest.approx(15 / 7, rel=1e-5)
     assert metrics["stability/behav_iw_max"] == pytest.approx(9.0, rel=1e-5)
     assert metrics["stability/behav_iw_capped_frac"] == pytest.approx(1 / 7)
+
+
+# --- the checkpoint's run state ------------------------------------------------------------------
+
+# A checkpoint of the current on-disk format, every key written out (a PPO run with OPPO intra and inter).
+ON_DISK = {
+    "step": 4, "policy": {"w": torch.ones(2)}, "optimizer": {"state": {}}, "weights_history": {3: {"w": torch.zeros(2)}},
+    "history": [{"reward/mean": 0.5}] * 4, "eval_curve": [[0, 0.25], [4, 0.5]], "train_wall_s": 7.0, "warmstart_acc": 0.25,
+    "config": {"rl": {"steps": 8}}, "critic": {"v": torch.ones(1)}, "critic_optimizer": {"state": {}},
+    "oppo_state": {"carry": []}, "intra_critic_history": {}, "intra_state": {"chunk_tuner": {}},
+}
+
+
+def test_run_state_reads_and_writes_the_checkpoint_keys_on_disk():
+    """Old checkpoints keep resuming: RunState reads every key of the current format and writes
+    back the same keys (the policy and optimizer beside it, through the updater)."""
+    from a3po.training.run_state import RunState
+
+    run = RunState.from_checkpoint(ON_DISK, "ckpt/step_000004")
+    assert (run.step, run.warmstart_acc, run.train_wall_s, run.path) == (4, 0.25, 7.0, "ckpt/step_000004")
+    assert run.eval_curve == [(0, 0.25), (4, 0.5)]  # JSON's lists back to (step, acc) pairs
+    assert run.policy is ON_DISK["policy"] and run.optimizer is ON_DISK["optimizer"]
+    assert set(run.extensions) == {"critic", "critic_optimizer", "oppo_state", "intra_critic_history", "intra_state"}
+    written = run.to_checkpoint()
+    assert set(written) == set(ON_DISK) - {"policy", "optimizer"}
+    assert written["weights_history"] is ON_DISK["weights_history"] and written["oppo_state"] is ON_DISK["oppo_state"]
+
+
+def test_a_checkpoint_without_a_run_key_names_the_file_and_the_key():
+    from a3po.storage.checkpoint import CheckpointError
+    from a3po.training.run_state import RunState
+
+    with pytest.raises(CheckpointError, match=r"ckpt/step_000004 has no weights_history"):
+        RunState.from_checkpoint({k: v for k, v in ON_DISK.items() if k != "weights_history"}, "ckpt/step_000004")

@@ -2,8 +2,8 @@
 stream the reference log-probs, critic values and reward-model scores while decoding, and
 train_step uses them instead of running those models again.
 
-Expected figures come from the trainer's own one-shot functions (a3po.training.ppo_parts.token_values,
-a3po.models.logprobs.token_logprobs, a3po.training.ppo_parts.reward_model_scores: full forwards of transformers
+Expected figures come from the trainer's own one-shot functions (a3po.models.critic.token_values,
+a3po.models.logprobs.token_logprobs, a3po.models.critic.reward_model_scores: full forwards of transformers
 models), and from a run with intra off. Cached vs full attention round differently (~1e-7 in
 fp32): tensors are compared to 1e-5, a run's per-step metrics to rel 1e-4 / abs 1e-5 (the
 rounding goes through ~4 optimizer steps of two models)."""
@@ -26,11 +26,11 @@ from a3po.config import (
     with_overrides,
 )
 from a3po.data.arithmetic import WORDS
+from a3po.models.critic import reward_model_scores, token_values
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.oppo.intra import IntraScoring
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-from a3po.training.ppo_parts import reward_model_scores, token_values
 from tests.support.cli_runs import TIMING
 from tests.support.ppo_parts import micro_ppo_parts
 from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed

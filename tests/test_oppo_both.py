@@ -3,7 +3,7 @@ later step is scored again from its prompt + partial answer when it resumes (the
 it as the engine does), and its figures are kept with it in the carry-over buffer once it is done.
 
 Expected figures come from the trainer's one-shot functions (a3po.models.logprobs.token_logprobs,
-a3po.training.ppo_parts.token_values, a3po.training.ppo_parts.reward_model_scores: full forwards of transformers models) over
+a3po.models.critic.token_values, a3po.models.critic.reward_model_scores: full forwards of transformers models) over
 the batch the trainer gets; cached vs full attention round differently (~1e-7 in fp32), so 1e-5."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from a3po.config import OppoConfig, config_from_dict, config_to_dict, effective_max_staleness, preset, proximal_method_name, with_overrides
 from a3po.data.arithmetic import WORDS, generate_split
+from a3po.models.critic import build_critic, reward_model_scores, token_values
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.oppo.intra import IntraScoring
@@ -20,7 +21,6 @@ from a3po.oppo.overcommit import DeltaController, OverlapProducer
 from a3po.producer.producer import Admission, PromptSampler
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
-from a3po.training.ppo_parts import build_critic, reward_model_scores, token_values
 from tests.support.cli_runs import TIMING
 from tests.support.ppo_parts import micro_ppo_parts
 from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed

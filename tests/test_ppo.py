@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, gae, grpo_advantages
+from a3po.algorithms.kl import kl_penalty
+from a3po.algorithms.value import clipped_value_loss, explained_variance, token_rewards
 from a3po.config import ConfigError, config_from_dict, preset, with_overrides
-from a3po.training.ppo_parts import PPOParts, clipped_value_loss, explained_variance, kl_penalty, token_rewards
+from a3po.training.ppo_parts import PPOParts
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
-PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean", "ppo/value_clip_frac")
+PPO_METRICS = ("ppo/value_loss", "ppo/value_mean", "ppo/explained_variance", "ppo/ev_prompt_ceiling", "ppo/kl", "ppo/return_mean",
+               "ppo/value_clip_frac")
 
 
 # --- pure functions, by hand -------------------------------------------------------------
@@ -118,7 +121,7 @@ def test_explained_variance():
 
 
 def test_between_prompt_share_by_hand():
-    from a3po.training.ppo_parts import between_prompt_share
+    from a3po.algorithms.value import between_prompt_share
 
     g = torch.tensor([0, 0, 0, 1, 1, 1])
     # groups (1, 1, 0) and (0, 0, 0): means 2/3 and 0, grand mean 1/3.
@@ -259,8 +262,8 @@ def test_critic_backbone_from_a_reward_model(tmp_path):
     """ppo.critic_init_path: the critic's backbone is the reward model's (here: the policy's
     backbone shifted by 0.5), its per-token head a fresh one."""
     from a3po.data.arithmetic import WORDS
+    from a3po.models.critic import build_critic
     from a3po.models.factory import build_tiny_model
-    from a3po.training.ppo_parts import build_critic
     from a3po.training.reward_model import build_reward_model
     from a3po.training.run import save_pretrained_atomic
 

@@ -311,7 +311,7 @@ class PPOConfig:
     """Per-token KL penalty against the reference (the frozen warm start) in the rewards; 0: no
     reference model is kept."""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """How the per-token KL is estimated from the sampled tokens (``a3po.training.ppo_parts.KL_ESTIMATORS``)."""
+    """How the per-token KL is estimated from the sampled tokens (``a3po.algorithms.kl.KL_ESTIMATORS``)."""
     reward: Literal["grader", "model"] = "grader"
     """'grader': the task's grader scores each completion; 'model': a reward model does
     (the grader's score is still logged as ``reward/mean``)."""

@@ -1,7 +1,7 @@
 """OPPO intra-step overlap wired into the PPO path: the rollout producer streams each chunk of
 generated tokens to scorer threads (:mod:`a3po.oppo.streaming`) for the reference log-probs, the
 critic's values and the reward model's scores while the actor keeps decoding; the scored batch
-carries those tensors and :func:`a3po.training.loop.train_step` uses them instead of running the
+carries those tensors and :func:`a3po.training.step.train_step` uses them instead of running the
 reference, critic and reward model again.
 
 Which weights score a batch:
@@ -33,6 +33,7 @@ since the probe) where it was.
 from __future__ import annotations
 
 import copy
+from typing import Protocol
 
 import torch
 
@@ -41,7 +42,17 @@ from a3po.oppo.chunk_tuner import ChunkTuner
 from a3po.oppo.streaming import ChunkFeeder, LogProbHead, ValueHead, start_scorers, stop_scorers
 from a3po.producer.weight_store import Retention, WeightStore, clone_state
 from a3po.rollout.padding import left_pad
-from a3po.training.ppo_parts import PPOParts
+
+
+class ScoringModels(Protocol):
+    """What the scorers need from the trainer's PPO parts (:class:`a3po.training.ppo_parts.PPOParts`):
+    the frozen reference and reward model, the critic (each None when unused) and the sampling
+    temperature the reference is scored at."""
+
+    reference: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    reward_model: torch.nn.Module | None
+    temperature: float
 
 
 class IntraScoring:
@@ -49,7 +60,7 @@ class IntraScoring:
     the engine), :meth:`finish` it (the tensors the trainer reuses); the trainer side
     :meth:`publish_critic` after each step."""
 
-    def __init__(self, ppo: PPOParts, oppo: OppoConfig, pad_token_id: int, retention: Retention | None = None) -> None:
+    def __init__(self, ppo: ScoringModels, oppo: OppoConfig, pad_token_id: int, retention: Retention | None = None) -> None:
         models: dict[str, tuple[torch.nn.Module, object]] = {}
         if ppo.reference is not None:
             models["ref_logp"] = (ppo.reference, LogProbHead(ppo.temperature))
@@ -105,7 +116,7 @@ class IntraScoring:
         if "ref_logp" in raw:
             out["ref_logp"] = raw["ref_logp"]  # aligned like token_logprobs: column 0 is 0
         if "values" in raw:
-            v = raw["values"]  # column t: V of the prefix up to t; shift as a3po.training.ppo_parts.token_values does
+            v = raw["values"]  # column t: V of the prefix up to t; shift as a3po.models.critic.token_values does
             out["values"] = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         if "reward_logits" in raw:
             # The sequence-classification forward reads each row's rightmost non-pad token.

@@ -4,7 +4,7 @@ Rank plumbing is read from the launcher's environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``: torchrun and the deepspeed launcher set them), nanoGPT style:
 one process is the same code with ``world_size == 1`` and every collective is then the identity.
 
-The design of the data-parallel step (``a3po.training.loop.train_step``):
+The design of the data-parallel step (``a3po.training.step.train_step``):
 
 * every rank runs the same deterministic rollout producer (same seed, same batches), so all
   ranks hold the whole batch; each takes a contiguous shard of every minibatch's rows;

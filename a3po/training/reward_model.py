@@ -15,7 +15,7 @@ The embedded task has an exact grader; the reward model is the PPO path's other 
 4. :func:`prepare_reward_model`: all of it once per (warm start, settings), cached in a folder
    named by a key, like the warm start (``a3po.training.run.prepare_warmstart``).
 
-Its reward is ``sigmoid(logit)`` (``a3po.training.ppo_parts.reward_model_scores``): P(correct), the grader's scale.
+Its reward is ``sigmoid(logit)`` (``a3po.models.critic.reward_model_scores``): P(correct), the grader's scale.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def sample_labelled(
         batch = engine.generate(prompts, params, generator=gen)
         texts = [tokenizer.decode([t for t in resp if t != tokenizer.eos_token_id], skip_special_tokens=True) for resp in batch.responses]
         scores = score_completions(task, texts, [r["gold"] for r in chunk], [r["id"] for r in chunk])
-        for p, resp, s, r in zip(prompts, batch.responses, scores, chunk):
+        for p, resp, s, r in zip(prompts, batch.responses, scores, chunk, strict=True):
             out.append(Example(list(p) + resp, float(s), str(r["id"])))
     return out
 
@@ -126,7 +126,8 @@ def example_logits(rm, examples: list[Example], pad_token_id: int, batch_size: i
     """The model's logit per example ``(n,)``, fp32, on the CPU."""
     rm.eval()
     device = model_device(rm)
-    return torch.cat([_logits(rm, *_batch(examples[s : s + batch_size], pad_token_id, device)[:2]).cpu() for s in range(0, len(examples), batch_size)])
+    return torch.cat([_logits(rm, *_batch(examples[s : s + batch_size], pad_token_id, device)[:2]).cpu()
+                      for s in range(0, len(examples), batch_size)])
 
 
 def classification_figures(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

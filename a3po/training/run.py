@@ -20,10 +20,11 @@ from a3po.config import TrainConfig, preflight, warmstart_key
 from a3po.data.datasets import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
-from a3po.parallel.ranks import ranks_from_env
+from a3po.parallel.ranks import init_ranks
 from a3po.parallel.updaters import plain_model
+from a3po.placement.rollout_workers import serve_rollouts
 from a3po.training.heldout import evaluate_heldout
-from a3po.training.loop import TrainResult, rl_train
+from a3po.training.loop import TrainResult, checked_rollout_inputs, rl_train
 from a3po.training.metrics import MetricLogger
 from a3po.training.warmstart import warm_start
 
@@ -81,19 +82,25 @@ def train_variant(
     warmstart_acc: float,
     logger: MetricLogger | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
-) -> TrainResult:
+) -> TrainResult | None:
     """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
-    and exports the final weights to ``run_dir/final`` (an HF model directory)."""
+    and exports the final weights to ``run_dir/final`` (an HF model directory). On a rollout
+    worker's rank (``distributed.rollout_workers``) this serves the trainer batches until the run
+    ends and returns None."""
     run_dir = Path(run_dir)
     preflight(cfg)  # a worker given a config built elsewhere: the engine's package, DeepSpeed and its JSON are here
     torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
+    ranks = init_ranks(cfg.distributed.deepspeed_config, cfg.distributed.rollout_workers)
+    if ranks.is_rollout_worker:
+        serve_rollouts(checked_rollout_inputs(cfg, model, tokenizer, train_rows), ranks)
+        return None
     result = rl_train(
         cfg, model, tokenizer, train_rows, heldout_rows,
         ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
     )
-    if not ranks_from_env().is_main:
+    if not ranks.is_main:
         return result  # trainer ranks other than 0 write nothing
     if result.final_weights is not None:  # the module is ZeRO-3 partitioned: export the gathered weights
         model = plain_model(model, result.final_weights)

@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from a3po.data.arithmetic import WORDS
+from a3po.models.critic import build_critic, frozen_copy
 from a3po.models.factory import build_tiny_model
-from a3po.training.ppo_parts import PPOParts, build_critic, frozen_copy
+from a3po.training.ppo_parts import PPOParts
 
 
 def micro_ppo_parts(policy, tok) -> PPOParts:
