@@ -31,7 +31,8 @@ from a3po.config import loading as config_loading
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import BadRowError, load_rows, read_jsonl
 from a3po.models.tokenizer import build_tokenizer
-from a3po.parallel.ranks import DeepSpeedUpdater, LocalUpdater, Ranks
+from a3po.parallel.ranks import Ranks
+from a3po.parallel.updaters import DeepSpeedUpdater, LocalUpdater
 from a3po.storage.checkpoint import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
