@@ -89,7 +89,7 @@ def train_one(
     run_dir: str,
     warmstart: dict[str, Any],
     tracking: dict[str, str] | None = None,
-    benchmarks: list[str] = [],
+    benchmarks: tuple[str, ...] | list[str] = (),
     data_dir: str | None = None,
     bench_limit: int | None = 50,
     bench_max_new_tokens: int = 64,
@@ -107,7 +107,7 @@ def train_one(
     cfg = config_from_dict(config, where="train-one config")
     spec = launch_for_config(launch_spec(launch), cfg)
     ref = TrackingRef(**tracking) if tracking else None
-    record = train_and_evaluate(cfg, run_dir, WarmStart(**warmstart), ref, spec, benchmarks, data_dir,
+    record = train_and_evaluate(cfg, run_dir, WarmStart(**warmstart), ref, spec, list(benchmarks), data_dir,
                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s)
     record["prefect_flow_run_id"] = str(flow_run.id)
     atomic_write_text(Path(run_dir) / RECORD_FILE, json.dumps(record))
@@ -117,7 +117,8 @@ def train_one(
 # --- fan-out: one deployment run per variant x seed, from the comparison's flow ---------------
 
 
-def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s: float = 2.0, timeout_s: float | None = None) -> list[dict[str, Any]]:
+def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s: float = 2.0,
+            timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Submit one run of ``deployment`` ("train-one/<name>") per job ``(label, run dir,
     train_one parameters)``, all at once (``run_deployment(timeout=0)``: the workers take them
     in parallel), wait until every one has ended, and return their records in job order. Any
@@ -152,7 +153,8 @@ def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s
                     waiting = [f"{label} ({fid})" for label, _, fid in submitted if fid not in ended]
                     raise TimeoutError(f"fan-out: still waiting after {timeout_s:.0f} s for {', '.join(waiting)} (is a worker polling the pool?)")
                 time.sleep(poll_s)
-    failed = [f"{label}: flow run {fid} ended {ended[fid].name}: {ended[fid].message}" for label, _, fid in submitted if not ended[fid].is_completed()]
+    failed = [f"{label}: flow run {fid} ended {ended[fid].name}: {ended[fid].message}"
+              for label, _, fid in submitted if not ended[fid].is_completed()]
     if failed:
         raise RuntimeError(f"fan-out over {deployment}: {len(failed)} of {len(submitted)} runs failed\n" + "\n".join(failed))
     return [read_record(run_dir, fid) for _, run_dir, fid in submitted]

@@ -33,13 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
+from urllib.parse import urlsplit
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.storage.runlock import in_use_by_another
 from a3po.training.metrics import valid_metric_key
-from tasks.runtime import sqlite_path
+from tasks.runtime import mask_uri, run_logger, sqlite_path
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 MAX_PARAMS_PER_BATCH = 100
@@ -160,6 +161,38 @@ def _check_keys(metrics: Mapping[str, Any]) -> None:
     bad = [k for k in metrics if not valid_metric_key(k)]
     if bad:
         raise ValueError(f"invalid MLflow metric key(s) {bad}: use letters, digits and _ - . / only")
+
+
+class TrackingUnreachable(RuntimeError):
+    """The tracking store did not answer the probe made before a flow starts anything."""
+
+
+# Ports of the stores MLflow reaches over the network, when the URI names none.
+DEFAULT_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def probe_tracking(tracking_uri: str, timeout_s: float = 3.0) -> None:
+    """One TCP connection to the store's host, bounded by ``timeout_s``; raise
+    :class:`TrackingUnreachable` naming the (masked) URI when it fails. Without it a store that
+    is down from the start costs minutes of MLflow's HTTP retries (7, backoff 2 s x 2^n) per call.
+    Local stores (``sqlite:///``, a path) are not probed."""
+    parts = urlsplit(tracking_uri)
+    if not parts.hostname:
+        return
+    try:
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme.split("+")[0])
+    except ValueError as e:  # a port that is not a number
+        raise TrackingUnreachable(f"tracking URI {mask_uri(tracking_uri)}: {e}") from None
+    if port is None:
+        return  # a scheme whose port we cannot guess: MLflow's own errors will say
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise TrackingUnreachable(
+            f"the MLflow tracking store {mask_uri(tracking_uri)} is unreachable ({parts.hostname}:{port}: "
+            f"{e.strerror or type(e).__name__}); nothing was started. Start it, or point --tracking-uri / "
+            f"MLFLOW_TRACKING_URI at a running one."
+        ) from None
 
 
 class TrackingUnavailable(RuntimeError):
@@ -392,6 +425,18 @@ def close_parent_run(ref: TrackingRef, status: str = "FINISHED", tags: dict[str,
     for k, v in (tags or {}).items():
         client.set_tag(ref.parent_run_id, k, str(v))
     client.set_terminated(ref.parent_run_id, status=status)
+
+
+def close_parent_run_quietly(ref: TrackingRef, status: str = "FAILED", timeout_s: int = 5) -> None:
+    """Close the parent run on the way out of a failed or stopped flow: one try, each MLflow call
+    bounded by ``timeout_s`` and no retries (a store that is down would otherwise hold a SIGTERMed
+    flow for minutes), never raising over the flow's own error. A run left RUNNING is marked
+    KILLED by the next run of the same output dir."""
+    try:
+        with short_client_retries(max_retries=0, timeout_s=timeout_s):
+            client_for(ref.tracking_uri).set_terminated(ref.parent_run_id, status=status)
+    except Exception as e:  # noqa: BLE001 - the flow's error is the one to report
+        run_logger().warning(f"could not mark MLflow run {ref.parent_run_id} {status} ({type(e).__name__}); the next run of this output dir marks it KILLED")
 
 
 @task(cache_policy=NO_CACHE)

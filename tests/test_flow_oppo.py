@@ -22,7 +22,9 @@ from a3po.training.metrics import valid_metric_key
 
 # Prefect sets up its console log handler on import: here, not under a test's captured stderr
 # (capsys closes that stream, and the flow test would log into it).
-from flows.compare_variants import compare_variants, parse_sets, variant_config
+from flows.cli import parse_sets
+from flows.common import variant_config
+from flows.compare_variants import compare_variants
 from tasks.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}

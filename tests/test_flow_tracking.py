@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.compare_variants import parse_sets
+from flows.cli import parse_sets
 from tasks.evaluation import available_benchmarks
 from tasks.parity import decide, paired_bootstrap_ci
 from tasks.summary import compare, smooth, table, time_to_target, window
