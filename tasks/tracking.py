@@ -107,7 +107,8 @@ def log_params(client, run_id: str, params: Mapping[str, Any]) -> None:
         client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
 
 
-def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any] | None = None, parent_run_id: str | None = None) -> str:
+def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any] | None = None,
+               parent_run_id: str | None = None) -> str:
     tags = {k: str(v) for k, v in tags.items()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -415,7 +416,8 @@ def open_parent_run(tracking_uri: str, experiment: str, run_name: str, output_di
     out = str(Path(output_dir).resolve())
     ids = prefect_ids()
     kill_stale_runs(client, exp_id, {"a3po.output_dir": out, "a3po.role": "parent"}, "a3po.output_dir", note=ids.get("prefect.flow_run_id", "rerun"))
-    run_id = create_run(client, exp_id, run_name, {**tags, **ids, "a3po.output_dir": out, "a3po.role": "parent", "a3po.host": socket.gethostname()}, params)
+    own = {"a3po.output_dir": out, "a3po.role": "parent", "a3po.host": socket.gethostname()}
+    run_id = create_run(client, exp_id, run_name, {**tags, **ids, **own}, params)
     return TrackingRef(tracking_uri, exp_id, run_id)
 
 
@@ -436,7 +438,8 @@ def close_parent_run_quietly(ref: TrackingRef, status: str = "FAILED", timeout_s
         with short_client_retries(max_retries=0, timeout_s=timeout_s):
             client_for(ref.tracking_uri).set_terminated(ref.parent_run_id, status=status)
     except Exception as e:  # noqa: BLE001 - the flow's error is the one to report
-        run_logger().warning(f"could not mark MLflow run {ref.parent_run_id} {status} ({type(e).__name__}); the next run of this output dir marks it KILLED")
+        run_logger().warning(f"could not mark MLflow run {ref.parent_run_id} {status} ({type(e).__name__}); "
+                             "the next run of this output dir marks it KILLED")
 
 
 @task(cache_policy=NO_CACHE)
@@ -452,7 +455,8 @@ def log_evaluation(ref: TrackingRef, run_id: str, evaluation: dict[str, Any]) ->
 
 
 @task(cache_policy=NO_CACHE)
-def log_to_parent(ref: TrackingRef, metrics: dict[str, float], artifacts: list[str], tags: dict[str, str] | None = None, artifact_path: str | None = None) -> None:
+def log_to_parent(ref: TrackingRef, metrics: dict[str, float], artifacts: list[str], tags: dict[str, str] | None = None,
+                  artifact_path: str | None = None) -> None:
     """Summary metrics, tags and artifact files on the parent run."""
     client = client_for(ref.tracking_uri)
     if metrics:
