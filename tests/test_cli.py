@@ -29,7 +29,8 @@ def _a3po(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
 
 
 def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
-    probe = "import sys; from a3po.cli import main; main(['--help']); print(sorted(m for m in ('prefect', 'mlflow', 'torch', 'flows') if m in sys.modules))"
+    probe = ("import sys; from a3po.cli import main; main(['--help']); "
+             "print(sorted(m for m in ('prefect', 'mlflow', 'torch', 'flows') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     *help_lines, imported = proc.stdout.strip().splitlines()
@@ -37,6 +38,13 @@ def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
     listed = [line.split()[0] for line in help_lines[help_lines.index("commands:") + 1 :]]
     assert listed == SUBCOMMANDS
     assert all(len(line.split()) > 3 for line in help_lines[help_lines.index("commands:") + 1 :])  # each with its line
+
+
+def test_module_docstring_lists_every_subcommand_in_order():
+    import a3po.cli
+
+    listed = [line.split()[1] for line in a3po.cli.__doc__.splitlines() if line.startswith("    a3po ")]
+    assert listed == list(a3po.cli.COMMANDS) == SUBCOMMANDS
 
 
 def test_unknown_or_missing_subcommand_exits_2(capsys):
