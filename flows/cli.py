@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable, NoReturn
 
 import yaml
+from pydantic import ValidationError
 
 from a3po.config import PRESETS, load_yaml
 from a3po.devices import Device, DType
@@ -171,6 +172,10 @@ def run_flow(name: str, flow: Callable[..., dict[str, Any]], spec_type: type[Com
     try:
         spec = spec_type(**shared)
         check(spec)
+    except ValidationError as e:  # one line per field, named as its option
+        for err in e.errors():
+            print(f"error: --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2, None, None
     except ValueError as e:  # ConfigError, a spec field, an arm, or a launch that does not fit the config
         print(f"error: {e}", file=sys.stderr)
         return 2, None, None

@@ -5,7 +5,7 @@
     python -m flows.nightly_parity --candidate loglinear+oppo-inter --references loglinear \
         --set data.long_tail_frac=0.25 --set rl.max_new_tokens=64      # OPPO on vs off (docs/oppo.md)
 
-Runs the comparison (``flows.compare_variants.run_comparison``) over K seeds, then decides
+Runs the comparison (``flows.common.run_comparison``) over K seeds, then decides
 parity with the paired-bootstrap rule of :mod:`tasks.parity`: per reference, the CI of the mean
 per-seed difference (candidate - reference) of the final smoothed training reward (or the final
 held-out accuracy) must have its lower bound above ``-tolerance``. The MLflow parent run is

@@ -4,7 +4,7 @@
     python -m flows.paper_claims --seeds 0 --steps 40     # a short run
     python -m flows.paper_claims --preset micro --seeds 0 --steps 4   # plumbing only
 
-Runs the comparison of sync, recompute and loglinear (``flows.compare_variants.run_comparison``,
+Runs the comparison of sync, recompute and loglinear (``flows.common.run_comparison``,
 then its summary), then judges each claim of :data:`tasks.claims.CLAIMS` (proximal log-prob time,
 wall time to target vs recompute and vs sync, final reward parity, behaviour-IW extremes,
 clipped tokens): the paper's figure, this testbed's with its spread over seeds, and a verdict

@@ -121,3 +121,14 @@ exit 3
     assert mlflow_line.startswith("mlflow 127.0.0.2:5999 pid ")
     pid = int(mlflow_line.rsplit(" ", 1)[1])
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()  # the other server was stopped
+
+
+@pytest.mark.parametrize("command", ["compare", "nightly", "claims"])
+def test_flow_options_out_of_bounds_exit_2_naming_the_option(command, tmp_path, capsys):
+    # Checked by the flows' ComparisonSpec before any server starts or any folder is made.
+    out = tmp_path / "out"
+    assert main([command, "--preset", "micro", "--seeds", "", "--target-fraction", "1.5", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --seeds: List should have at least 1 item after validation, not 0",
+                   "error: --target-fraction: Input should be less than or equal to 1"], err
+    assert not out.exists()
