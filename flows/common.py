@@ -27,7 +27,7 @@ from infra.launch import LaunchSpec, launch_spec
 from tasks.arms import arm_config, arm_name, parse_arm
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.links import tag_run_links
-from tasks.runtime import default_tracking_uri
+from tasks.runtime import default_tracking_uri, mask_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, close_parent_run_quietly, open_parent_run, probe_tracking
 from tasks.training import run_dir_for, topology_tags, warm_start, warmstart_ready
@@ -213,7 +213,9 @@ def run_comparison(
     if fanout_deployment:
         return fan_out(fanout_deployment, [
             (f"{arm_name(cfg)} seed {cfg.rl.seed}", run_dir,
-             dict(config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws), tracking=dataclasses.asdict(tracking),
+             # The store's secrets stay out of Prefect's flow-run parameters: each worker reads its own (flows.train_one).
+             dict(config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
+                  tracking={**dataclasses.asdict(tracking), "tracking_uri": mask_uri(tracking.tracking_uri)},
                   launch=spec_to_dict(launch or LaunchSpec()), **evaluation))
             for cfg, run_dir in jobs])
     return [train_and_evaluate(cfg, run_dir, ws, tracking, launch, **evaluation) for cfg, run_dir in jobs]

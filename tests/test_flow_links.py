@@ -85,3 +85,21 @@ def test_no_link_tag_or_command_shows_a_secret_of_the_tracking_uri():
         links = run_links(uri, "1", "p", ["c"])
         assert all("s3cret" not in line for line in links.lines()), links
         assert "s3cret" not in json.dumps(links.as_dict()), links
+
+
+def test_a_fanned_out_run_takes_the_secret_from_its_worker_not_from_the_flow_parameters(monkeypatch):
+    from flows.train_one import worker_tracking_uri
+
+    store = "postgresql://a3po:s3cret@db/mlflow?sslpassword=s3cret"
+    given = mask_uri(store)  # what the comparison puts in the train-one run's parameters
+    assert "s3cret" not in given
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert worker_tracking_uri(given) == store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://a3po:s3cret@another-db/mlflow")
+    with pytest.raises(ValueError, match=r"a3po:\*\*\*@db/mlflow.*here: postgresql://a3po:\*\*\*@another-db/mlflow") as e:
+        worker_tracking_uri(given)
+    assert "s3cret" not in str(e.value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    with pytest.raises(ValueError, match="here: unset"):
+        worker_tracking_uri(given)
+    assert worker_tracking_uri("http://mlflow.lan:5000") == "http://mlflow.lan:5000"  # nothing secret: used as given
