@@ -4,13 +4,15 @@
     a3po eval      a checkpoint on GSM8K / MATH500 / AIME24 (``eval/cli.py``)
     a3po compare   the comparison flow (``flows/compare_variants.py``, same options)
     a3po nightly   the nightly parity flow (``flows/nightly_parity.py``, same options)
+    a3po claims    the paper-claims flow (``flows/paper_claims.py``, same options)
     a3po bench     a benchmark of ``bench/`` by name (``python -m bench.<name>``)
-    a3po serve     the team-mode servers (``infra/start_*.sh``)
+    a3po serve     the team-mode servers (``infra/start_*.sh``), in the foreground until stopped
 
-Every command ends with one JSON line of its key figures. Each subcommand imports what it runs
-only when it runs (``a3po --help`` stays fast). The CLI is the top of the stack, so the
-``compare`` / ``nightly`` subcommands import ``flows`` inside their functions: the library
-itself never imports flows, Prefect or MLflow.
+Every command but ``serve`` ends with one JSON line of its key figures (``serve`` reports on
+stderr and exits with the first server that stops). Each subcommand imports what it runs only
+when it runs (``a3po --help`` stays fast). The CLI is the top of the stack, so the ``compare`` /
+``nightly`` / ``claims`` subcommands import ``flows`` inside their functions: the library itself
+never imports flows, Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=None, help="RL seed (overrides the config)")
     ap.add_argument("--max-staleness", type=int, default=None)
     ap.add_argument("--schedule", choices=["deterministic", "threaded"], default=None)
-    ap.add_argument("--device", choices=[d.value for d in Device], default=None, help="auto (cuda when available), cpu or cuda (overrides the config; default auto)")
+    ap.add_argument("--device", choices=[d.value for d in Device], default=None,
+                    help="auto (cuda when available), cpu or cuda (overrides the config; default auto)")
     ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="weight dtype (overrides the config; default float32)")
     ap.add_argument("--output-dir", default=None, help="default: runs/<preset>")
     ap.add_argument("--no-progress", action="store_true")

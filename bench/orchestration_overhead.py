@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="config torch_threads (default: the config's, 1)")
     args = ap.parse_args(argv)
 
-    from flows.compare_variants import build_config
+    from flows.common import build_config
     from tasks.runtime import prefect_api
     from tasks.tracking import client_for, ensure_experiment
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from a3po.config import TrainConfig, config_from_dict
 from a3po.storage.checkpoint import atomic_write_text
 from infra.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.evaluation import evaluate_checkpoint
+from tasks.runtime import MASK, mask_uri
 from tasks.tracking import TrackingRef, log_evaluation
 from tasks.training import WarmStart, launch_for_config, train_launched, train_variant
 
@@ -58,6 +60,19 @@ def train_and_evaluate(
     if tracking is not None:
         log_evaluation(tracking, run.mlflow_run_id, {**ev, "step": run.steps})
     return {**run.as_dict(), "evaluation": ev, "warmstart": {"dir": ws.dir, "heldout_acc": ws.heldout_acc, "seconds": ws.seconds}}
+
+
+def worker_tracking_uri(given: str) -> str:
+    """The store a fanned-out run logs to: ``given``, or, when the comparison masked its secrets
+    (:func:`tasks.runtime.mask_uri`: they never go into Prefect's flow-run parameters), this
+    worker's ``$MLFLOW_TRACKING_URI``, which must name the same store."""
+    if MASK not in given:
+        return given
+    own = os.environ.get("MLFLOW_TRACKING_URI")
+    if own is None or mask_uri(own) != given:
+        raise ValueError(f"tracking: the comparison's store {given} carries secrets, which are not passed to workers; set "
+                         f"MLFLOW_TRACKING_URI on this worker to that store (here: {mask_uri(own) if own else 'unset'})")
+    return own
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
@@ -89,7 +104,7 @@ def train_one(
     run_dir: str,
     warmstart: dict[str, Any],
     tracking: dict[str, str] | None = None,
-    benchmarks: list[str] = [],
+    benchmarks: tuple[str, ...] | list[str] = (),
     data_dir: str | None = None,
     bench_limit: int | None = 50,
     bench_max_new_tokens: int = 64,
@@ -101,13 +116,14 @@ def train_one(
     config: the full TrainConfig as a dict (a3po.config.config_to_dict; checked here again).
     run_dir: the run's folder (resumes from its checkpoints). warmstart: fields of
     tasks.training.WarmStart (its folder must be readable here). tracking: fields of
-    tasks.tracking.TrackingRef (the parent MLflow run the child run goes under). launch: "local"
+    tasks.tracking.TrackingRef (the parent MLflow run the child run goes under; a store URI with
+    its secrets masked is this worker's $MLFLOW_TRACKING_URI: :func:`worker_tracking_uri`). launch: "local"
     or a LaunchSpec dict: the ranks this machine starts for the training.
     """
     cfg = config_from_dict(config, where="train-one config")
     spec = launch_for_config(launch_spec(launch), cfg)
-    ref = TrackingRef(**tracking) if tracking else None
-    record = train_and_evaluate(cfg, run_dir, WarmStart(**warmstart), ref, spec, benchmarks, data_dir,
+    ref = TrackingRef(**{**tracking, "tracking_uri": worker_tracking_uri(tracking["tracking_uri"])}) if tracking else None
+    record = train_and_evaluate(cfg, run_dir, WarmStart(**warmstart), ref, spec, list(benchmarks), data_dir,
                                 bench_limit, bench_max_new_tokens, system_metrics_interval_s)
     record["prefect_flow_run_id"] = str(flow_run.id)
     atomic_write_text(Path(run_dir) / RECORD_FILE, json.dumps(record))
@@ -117,7 +133,8 @@ def train_one(
 # --- fan-out: one deployment run per variant x seed, from the comparison's flow ---------------
 
 
-def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s: float = 2.0, timeout_s: float | None = None) -> list[dict[str, Any]]:
+def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s: float = 2.0,
+            timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Submit one run of ``deployment`` ("train-one/<name>") per job ``(label, run dir,
     train_one parameters)``, all at once (``run_deployment(timeout=0)``: the workers take them
     in parallel), wait until every one has ended, and return their records in job order. Any
@@ -152,7 +169,8 @@ def fan_out(deployment: str, jobs: list[tuple[str, str, dict[str, Any]]], poll_s
                     waiting = [f"{label} ({fid})" for label, _, fid in submitted if fid not in ended]
                     raise TimeoutError(f"fan-out: still waiting after {timeout_s:.0f} s for {', '.join(waiting)} (is a worker polling the pool?)")
                 time.sleep(poll_s)
-    failed = [f"{label}: flow run {fid} ended {ended[fid].name}: {ended[fid].message}" for label, _, fid in submitted if not ended[fid].is_completed()]
+    failed = [f"{label}: flow run {fid} ended {ended[fid].name}: {ended[fid].message}"
+              for label, _, fid in submitted if not ended[fid].is_completed()]
     if failed:
         raise RuntimeError(f"fan-out over {deployment}: {len(failed)} of {len(submitted)} runs failed\n" + "\n".join(failed))
     return [read_record(run_dir, fid) for _, run_dir, fid in submitted]

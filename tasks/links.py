@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.runtime import run_logger
+from tasks.runtime import mask_uri, run_logger
 from tasks.tracking import TrackingRef, client_for
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
@@ -55,20 +55,14 @@ def _ids(ids: list[str]) -> str:
     return quote(json.dumps(ids, separators=(",", ":")), safe="")
 
 
-def _without_password(uri: str) -> str:
-    """A database URI as shown to people and tagged: the password masked."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
-
-
 def run_links(tracking_uri: str, experiment_id: str, parent_run_id: str, child_run_ids: list[str]) -> RunLinks:
-    """The links for one flow run (pure: builds strings, contacts nothing)."""
+    """The links for one flow run (pure: builds strings, contacts nothing). Secrets in the URI
+    (a password, a token in the query) are masked (:func:`tasks.runtime.mask_uri`): the links
+    and the command are printed, logged and tagged."""
+    shown = mask_uri(tracking_uri)
     is_server = tracking_uri.startswith(("http://", "https://"))
-    ui = tracking_uri.rstrip("/") if is_server else LOCAL_UI
-    command = None if is_server else f"mlflow ui --backend-store-uri {_without_password(tracking_uri)}"
+    ui = shown.rstrip("/") if is_server else LOCAL_UI
+    command = None if is_server else f"mlflow ui --backend-store-uri {shown}"
     return RunLinks(
         parent_run=f"{ui}/#/experiments/{experiment_id}/runs/{parent_run_id}",
         compare_runs=f"{ui}/#/compare-runs?runs={_ids(child_run_ids)}&experiments={_ids([experiment_id])}",

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 # Telemetry off and quiet model loading; none of these change results.
 OFFLINE_DEFAULTS = {
@@ -55,11 +60,32 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(tracking_uri[len(prefix):]) if tracking_uri.startswith(prefix) else None
 
 
-def ui_hint(tracking_uri: str) -> str:
-    """How a person opens the tracked runs."""
-    if sqlite_path(tracking_uri) is not None:
-        return f"mlflow ui --backend-store-uri {tracking_uri}   (then open http://127.0.0.1:5000)"
-    return f"open {tracking_uri} in a browser"
+MASK = "***"
+# Query parameters that carry a secret (libpq's password / sslpassword, tokens, keys, signatures):
+# matched anywhere in the name, case-insensitively (``sslpassword``, ``api_key``, ``X-Amz-Signature``).
+SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|auth|credential|signature", re.IGNORECASE)
+
+
+def mask_uri(uri: str) -> str:
+    """``uri`` as shown to people (printed, logged, tagged): the userinfo password and the values
+    of secret-carrying query parameters replaced by ``***``; the rest kept as written.
+
+    ``postgresql://u:pw@h/db?sslmode=require&password=pw`` -> ``postgresql://u:***@h/db?sslmode=require&password=***``"""
+    parts = urlsplit(uri)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")  # a password may itself contain '@'
+        user, sep, _ = userinfo.partition(":")
+        netloc = f"{user}:{MASK}@{host}" if sep else netloc
+    query = "&".join(_mask_param(p) for p in parts.query.split("&")) if parts.query else parts.query
+    if (netloc, query) == (parts.netloc, parts.query):
+        return uri  # untouched, byte for byte (urlunsplit may normalise an empty query or fragment)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _mask_param(param: str) -> str:
+    name, sep, value = param.partition("=")
+    return f"{name}={MASK}" if sep and value and SECRET_PARAM.search(name) else param
 
 
 def run_logger():
@@ -88,11 +114,19 @@ def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
     if configured:
         yield {"api_url": configured, "temporary": False, "startup_s": 0.0, "pid": None}
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api import server as prefect_server
 
     t0 = time.perf_counter()
-    server = SubprocessASGIServer()
-    server.start(timeout=startup_timeout_s or int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
+    server = prefect_server.SubprocessASGIServer()
+    # The server in its own session: a SIGTERM or Ctrl-C sent to our process group (a terminal, a
+    # CI timeout) would stop it too, and the flow would then retry the dead server for minutes
+    # before exiting. It stops with us instead: below, or by the kernel if we are killed.
+    spawn = prefect_server.subprocess
+    prefect_server.subprocess = _OwnSession()  # read by the server's start() only; restored at once
+    try:
+        server.start(timeout=startup_timeout_s or int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
+    finally:
+        prefect_server.subprocess = spawn
     info = {"api_url": server.api_url, "temporary": True, "startup_s": time.perf_counter() - t0, "pid": server.server_process.pid}
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
@@ -102,6 +136,25 @@ def prefect_api(startup_timeout_s: int | None = None) -> Iterator[dict]:
                 _drain_to_api()
     finally:
         server.stop()
+
+
+class _OwnSession:
+    """``subprocess`` with ``Popen`` starting its child in a new session that receives SIGTERM
+    when this process dies (Linux ``PR_SET_PDEATHSIG``; elsewhere only the new session)."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args, **kwargs):  # the name it stands in for
+        return subprocess.Popen(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _drain_to_api() -> None:

@@ -67,7 +67,7 @@ def final_reward(history: Sequence[dict[str, float]], smooth_frac: float = SMOOT
 
 def time_to_target(history: Sequence[dict[str, float]], target: float, smooth_frac: float = SMOOTH_FRAC) -> float | None:
     rewards = [h["reward/mean"] for h in history]
-    for h, r in zip(history, smooth(rewards, window(len(rewards), smooth_frac))):
+    for h, r in zip(history, smooth(rewards, window(len(rewards), smooth_frac)), strict=True):
         if r >= target:
             return h["time/train_wall_s"]
     return None
@@ -137,70 +137,97 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
 
 
-def compare(records: Sequence[dict[str, Any]], target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> Comparison:
-    """``records``: per variant x seed ``{"variant", "seed", "history": [...], "final_acc",
-    "warmstart_acc", "evaluation": {"metrics": {...}}}``. Variants keep their first-seen order."""
-    variants = list(dict.fromkeys(arm_of(r) for r in records))
-    by_v = {v: [r for r in records if arm_of(r) == v] for v in variants}
-    first = [r["history"][0]["reward/mean"] for r in records if r["history"]]
+@dataclass(frozen=True)
+class ArmRun:
+    """One arm x seed as the comparison reads it: a flow's record (tasks.training.RunRecord as a
+    dict, plus its evaluation) with its per-step history."""
+
+    arm: str  # the row it belongs to (tasks.arms)
+    seed: int
+    history: list[dict[str, float]]  # per step: reward/mean, perf/step_time_s, time/train_wall_s, ...
+    warmstart_acc: float
+    final_acc: float
+    eval_metrics: dict[str, float] = field(default_factory=dict)  # the evaluation's eval/final/<bench>/<metric>
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> ArmRun:
+        """From a record dict with ``history`` (read from its ``history_path`` by :func:`summarise`)."""
+        return cls(arm=arm_of(record), seed=record["seed"], history=record["history"], warmstart_acc=record["warmstart_acc"],
+                   final_acc=record["final_acc"], eval_metrics=record.get("evaluation", {}).get("metrics", {}))
+
+
+def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> Comparison:
+    """One row per arm (first-seen order; means over its seeds), the parent run's summary
+    metrics, and the reward target (module docstring)."""
+    by_arm: dict[str, list[ArmRun]] = {}
+    for run in runs:
+        by_arm.setdefault(run.arm, []).append(run)
+    first = [r.history[0]["reward/mean"] for r in runs if r.history]
     r0 = sum(first) / len(first) if first else 0.0
-    finals = {v: _mean([final_reward(r["history"], smooth_frac) for r in rs]) for v, rs in by_v.items()}
+    finals = {arm: _mean([final_reward(r.history, smooth_frac) for r in rs]) for arm, rs in by_arm.items()}
     r_best = max((f for f in finals.values() if f is not None), default=r0)
-    notes = []
     target = r0 + target_fraction * (r_best - r0) if r_best > r0 else None
-    if target is None:
-        notes.append(f"no variant improved on the first-step reward {r0:.3f}: time to target and its speedups are undefined")
+    notes = [] if target is not None else [
+        f"no variant improved on the first-step reward {r0:.3f}: time to target and its speedups are undefined"]
+    rows = [_row(arm, rs, finals[arm], target, smooth_frac) for arm, rs in by_arm.items()]
+    metrics = {f"summary/{metric_key_part(row['variant'])}/{key}": row[key]
+               for row in rows for key in ROW_METRICS if row[key] is not None}
+    metrics.update(_against_baselines(rows))
+    if target is not None:
+        metrics["summary/target_reward"] = target
+    metrics["summary/first_step_reward"] = r0
+    return Comparison(rows=rows, metrics=metrics, target=target, notes=notes)
 
-    rows, metrics = [], {}
-    for v, rs in by_v.items():
-        hist = [r["history"] for r in rs]
-        per_seed = [{"seed": r["seed"], **run_figures(r["history"], target, smooth_frac)} for r in rs if r["history"]]
-        ttt = _mean([f["time_to_target_s"] for f in per_seed]) if target is not None else None
-        row = {
-            "variant": v,
-            "seeds": len(rs),
-            "warmstart_acc": _mean([r["warmstart_acc"] for r in rs]),
-            "final_acc": _mean([r["final_acc"] for r in rs]),
-            "final_reward": finals[v],
-            "time_to_target_s": ttt,
-            "mean_step_time_s": _mean([f["mean_step_time_s"] for f in per_seed]),
-            "train_wall_s": _mean([h[-1]["time/train_wall_s"] for h in hist if h]),
-            **{k: (_max if k.endswith("_max") else _mean)([f[k] for f in per_seed]) for k in STABILITY_FIGURES},
-            "prox_time_s": _mean([f["prox_time_s"] for f in per_seed]),
-            "staleness_mean": _mean([sum(x.get("staleness/mean", 0.0) for x in h) / len(h) for h in hist if h]),
-            "per_seed": per_seed,
-        }
-        for r in rs:  # benchmark pass@1 etc., mean over seeds
-            for k, val in r.get("evaluation", {}).get("metrics", {}).items():
-                if k.startswith("eval/final/") and k.count("/") == 3:
-                    row.setdefault(k, []).append(val)
-        for k in [k for k in row if k.startswith("eval/final/")]:
-            row[k] = _mean(row[k])
-        rows.append(row)
-        for key in ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", *STABILITY_FIGURES):
-            if row[key] is not None:
-                metrics[f"summary/{metric_key_part(v)}/{key}"] = row[key]
 
+ROW_METRICS = ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", *STABILITY_FIGURES)
+
+
+def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | None, smooth_frac: float) -> dict[str, Any]:
+    """One arm's row: means over its seeds (maxima for the ``*_max`` stability figures), each
+    seed's figures in ``per_seed``, benchmark metrics ``eval/final/<bench>/<metric>``."""
+    hist = [r.history for r in runs if r.history]
+    per_seed = [{"seed": r.seed, **run_figures(r.history, target, smooth_frac)} for r in runs if r.history]
+    row = {
+        "variant": arm,
+        "seeds": len(runs),
+        "warmstart_acc": _mean([r.warmstart_acc for r in runs]),
+        "final_acc": _mean([r.final_acc for r in runs]),
+        "final_reward": final,
+        "time_to_target_s": _mean([f["time_to_target_s"] for f in per_seed]) if target is not None else None,
+        "mean_step_time_s": _mean([f["mean_step_time_s"] for f in per_seed]),
+        "train_wall_s": _mean([h[-1]["time/train_wall_s"] for h in hist]),
+        **{k: (_max if k.endswith("_max") else _mean)([f[k] for f in per_seed]) for k in STABILITY_FIGURES},
+        "prox_time_s": _mean([f["prox_time_s"] for f in per_seed]),
+        "staleness_mean": _mean([sum(x.get("staleness/mean", 0.0) for x in h) / len(h) for h in hist]),
+        "per_seed": per_seed,
+    }
+    bench: dict[str, list[float]] = {}
+    for r in runs:  # benchmark pass@1 etc. (eval/final/<bench>/<metric>), mean over seeds
+        for k, val in r.eval_metrics.items():
+            if k.startswith("eval/final/") and k.count("/") == 3:
+                bench.setdefault(k, []).append(val)
+    return {**row, **{k: _mean(vals) for k, vals in bench.items()}}
+
+
+def _against_baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Speedups and deltas of each row against its baselines (:func:`baselines_of`), written into
+    the rows (``speedup_*_vs_<baseline>``; an OPPO arm's own variant also as ``..._vs_oppo_off``)
+    and returned as metrics."""
+    metrics: dict[str, float] = {}
     index = {row["variant"]: row for row in rows}
     for row in rows:
         for base in baselines_of(row["variant"]):
             if base == row["variant"] or base not in index:
                 continue
             b, tag = index[base], f"{metric_key_part(row['variant'])}_vs_{base}"
-            # An OPPO arm's own variant is also its "OPPO off" column.
             cols = [base, *(["oppo_off"] if base == parse_arm(row["variant"])[0] else [])]
-            if row["time_to_target_s"] and b["time_to_target_s"]:
-                row.update({f"speedup_ttt_vs_{c}": b["time_to_target_s"] / row["time_to_target_s"] for c in cols})
-                metrics[f"speedup/{tag}/time_to_target"] = row[f"speedup_ttt_vs_{base}"]
-            if row["mean_step_time_s"] and b["mean_step_time_s"]:
-                row.update({f"speedup_step_vs_{c}": b["mean_step_time_s"] / row["mean_step_time_s"] for c in cols})
-                metrics[f"speedup/{tag}/step_time"] = row[f"speedup_step_vs_{base}"]
+            for figure, name in (("time_to_target_s", "ttt"), ("mean_step_time_s", "step")):
+                if row[figure] and b[figure]:  # None or 0: no speedup
+                    row.update({f"speedup_{name}_vs_{c}": b[figure] / row[figure] for c in cols})
+                    metrics[f"speedup/{tag}/{'time_to_target' if name == 'ttt' else 'step_time'}"] = b[figure] / row[figure]
             metrics[f"delta/{tag}/final_reward"] = row["final_reward"] - b["final_reward"]
             metrics[f"delta/{tag}/final_acc"] = row["final_acc"] - b["final_acc"]
-    if target is not None:
-        metrics["summary/target_reward"] = target
-    metrics["summary/first_step_reward"] = r0
-    return Comparison(rows=rows, metrics=metrics, target=target, notes=notes)
+    return metrics
 
 
 COLUMNS = [
@@ -264,7 +291,10 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         seen.add(v)
         a1.plot(steps, sm, color=colors[v], label=label)
         a2.plot([x["time/train_wall_s"] for x in h], sm, color=colors[v], label=label)
-        series = lambda key: [x.get(key, float("nan")) for x in h]
+
+        def series(key: str, h: list[dict[str, float]] = h) -> list[float]:
+            return [x.get(key, float("nan")) for x in h]
+
         for ax, name in ((b1, "behav_iw"), (b2, "trust_ratio")):
             ax.plot(steps, series(f"stability/{name}_max"), color=colors[v], label=f"{v} max" if label else None)
             ax.plot(steps, series(f"stability/{name}_p99"), color=colors[v], ls=":", label=f"{v} p99" if label else None)
@@ -290,7 +320,7 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         ax.legend(fontsize="small")
     fig2.suptitle("Stability: importance weights and trust region")
     paths = [out_dir / "reward_curves.png", out_dir / "stability.png"]
-    for f, p in zip((fig, fig2), paths):
+    for f, p in zip((fig, fig2), paths, strict=True):
         f.tight_layout()
         f.savefig(p, dpi=110)
         plt.close(f)
@@ -298,13 +328,14 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
 
 
 @task(cache_policy=NO_CACHE)
-def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> dict[str, Any]:
+def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: float = TARGET_FRACTION,
+              smooth_frac: float = SMOOTH_FRAC) -> dict[str, Any]:
     """Write comparison.md / .csv, the plots and summary.json to ``out_dir``; return the figures.
     ``records`` carry ``history_path`` (read here) rather than the histories themselves."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     full = [{**r, "history": read_history(r["history_path"])} for r in records]
-    comp = compare(full, target_fraction, smooth_frac)
+    comp = compare([ArmRun.of(r) for r in full], target_fraction, smooth_frac)
     df = table(comp)
     md = to_markdown(df)
     target = f"{comp.target:.3f}" if comp.target is not None else "undefined"
@@ -312,7 +343,8 @@ def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: floa
         md + f"\n\nTarget reward {target} (first-step reward + {target_fraction:.0%} of the best improvement); "
         f"final reward = mean over the last {smooth_frac:.0%} of steps. Behaviour IW = pi_prox / pi_behav (max over steps; "
         f"p99: mean over steps of the step's 99th percentile); trust-region ratio = pi_theta / pi_prox (max over steps); "
-        f"clipped tokens = mean over steps of the step's fraction of tokens whose clipped term is active.\n" + "".join(f"\nNote: {n}" for n in comp.notes)
+        f"clipped tokens = mean over steps of the step's fraction of tokens whose clipped term is active.\n"
+        + "".join(f"\nNote: {n}" for n in comp.notes)
     )
     df.to_csv(out / "comparison.csv", index=False)
     plots = plot(full, comp, out, smooth_frac)

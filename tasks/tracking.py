@@ -33,13 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
+from urllib.parse import urlsplit
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.storage.runlock import in_use_by_another
 from a3po.training.metrics import valid_metric_key
-from tasks.runtime import sqlite_path
+from tasks.runtime import mask_uri, run_logger, sqlite_path
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 MAX_PARAMS_PER_BATCH = 100
@@ -106,7 +107,8 @@ def log_params(client, run_id: str, params: Mapping[str, Any]) -> None:
         client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
 
 
-def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any] | None = None, parent_run_id: str | None = None) -> str:
+def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any] | None = None,
+               parent_run_id: str | None = None) -> str:
     tags = {k: str(v) for k, v in tags.items()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -160,6 +162,38 @@ def _check_keys(metrics: Mapping[str, Any]) -> None:
     bad = [k for k in metrics if not valid_metric_key(k)]
     if bad:
         raise ValueError(f"invalid MLflow metric key(s) {bad}: use letters, digits and _ - . / only")
+
+
+class TrackingUnreachable(RuntimeError):
+    """The tracking store did not answer the probe made before a flow starts anything."""
+
+
+# Ports of the stores MLflow reaches over the network, when the URI names none.
+DEFAULT_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def probe_tracking(tracking_uri: str, timeout_s: float = 3.0) -> None:
+    """One TCP connection to the store's host, bounded by ``timeout_s``; raise
+    :class:`TrackingUnreachable` naming the (masked) URI when it fails. Without it a store that
+    is down from the start costs minutes of MLflow's HTTP retries (7, backoff 2 s x 2^n) per call.
+    Local stores (``sqlite:///``, a path) are not probed."""
+    parts = urlsplit(tracking_uri)
+    if not parts.hostname:
+        return
+    try:
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme.split("+")[0])
+    except ValueError as e:  # a port that is not a number
+        raise TrackingUnreachable(f"tracking URI {mask_uri(tracking_uri)}: {e}") from None
+    if port is None:
+        return  # a scheme whose port we cannot guess: MLflow's own errors will say
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise TrackingUnreachable(
+            f"the MLflow tracking store {mask_uri(tracking_uri)} is unreachable ({parts.hostname}:{port}: "
+            f"{e.strerror or type(e).__name__}); nothing was started. Start it, or point --tracking-uri / "
+            f"MLFLOW_TRACKING_URI at a running one."
+        ) from None
 
 
 class TrackingUnavailable(RuntimeError):
@@ -382,7 +416,8 @@ def open_parent_run(tracking_uri: str, experiment: str, run_name: str, output_di
     out = str(Path(output_dir).resolve())
     ids = prefect_ids()
     kill_stale_runs(client, exp_id, {"a3po.output_dir": out, "a3po.role": "parent"}, "a3po.output_dir", note=ids.get("prefect.flow_run_id", "rerun"))
-    run_id = create_run(client, exp_id, run_name, {**tags, **ids, "a3po.output_dir": out, "a3po.role": "parent", "a3po.host": socket.gethostname()}, params)
+    own = {"a3po.output_dir": out, "a3po.role": "parent", "a3po.host": socket.gethostname()}
+    run_id = create_run(client, exp_id, run_name, {**tags, **ids, **own}, params)
     return TrackingRef(tracking_uri, exp_id, run_id)
 
 
@@ -392,6 +427,19 @@ def close_parent_run(ref: TrackingRef, status: str = "FINISHED", tags: dict[str,
     for k, v in (tags or {}).items():
         client.set_tag(ref.parent_run_id, k, str(v))
     client.set_terminated(ref.parent_run_id, status=status)
+
+
+def close_parent_run_quietly(ref: TrackingRef, status: str = "FAILED", timeout_s: int = 5) -> None:
+    """Close the parent run on the way out of a failed or stopped flow: one try, each MLflow call
+    bounded by ``timeout_s`` and no retries (a store that is down would otherwise hold a SIGTERMed
+    flow for minutes), never raising over the flow's own error. A run left RUNNING is marked
+    KILLED by the next run of the same output dir."""
+    try:
+        with short_client_retries(max_retries=0, timeout_s=timeout_s):
+            client_for(ref.tracking_uri).set_terminated(ref.parent_run_id, status=status)
+    except Exception as e:  # noqa: BLE001 - the flow's error is the one to report
+        run_logger().warning(f"could not mark MLflow run {ref.parent_run_id} {status} ({type(e).__name__}); "
+                             "the next run of this output dir marks it KILLED")
 
 
 @task(cache_policy=NO_CACHE)
@@ -407,7 +455,8 @@ def log_evaluation(ref: TrackingRef, run_id: str, evaluation: dict[str, Any]) ->
 
 
 @task(cache_policy=NO_CACHE)
-def log_to_parent(ref: TrackingRef, metrics: dict[str, float], artifacts: list[str], tags: dict[str, str] | None = None, artifact_path: str | None = None) -> None:
+def log_to_parent(ref: TrackingRef, metrics: dict[str, float], artifacts: list[str], tags: dict[str, str] | None = None,
+                  artifact_path: str | None = None) -> None:
     """Summary metrics, tags and artifact files on the parent run."""
     client = client_for(ref.tracking_uri)
     if metrics:

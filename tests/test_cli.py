@@ -29,7 +29,8 @@ def _a3po(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
 
 
 def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
-    probe = "import sys; from a3po.cli import main; main(['--help']); print(sorted(m for m in ('prefect', 'mlflow', 'torch', 'flows') if m in sys.modules))"
+    probe = ("import sys; from a3po.cli import main; main(['--help']); "
+             "print(sorted(m for m in ('prefect', 'mlflow', 'torch', 'flows') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     *help_lines, imported = proc.stdout.strip().splitlines()
@@ -37,6 +38,13 @@ def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
     listed = [line.split()[0] for line in help_lines[help_lines.index("commands:") + 1 :]]
     assert listed == SUBCOMMANDS
     assert all(len(line.split()) > 3 for line in help_lines[help_lines.index("commands:") + 1 :])  # each with its line
+
+
+def test_module_docstring_lists_every_subcommand_in_order():
+    import a3po.cli
+
+    listed = [line.split()[1] for line in a3po.cli.__doc__.splitlines() if line.startswith("    a3po ")]
+    assert listed == list(a3po.cli.COMMANDS) == SUBCOMMANDS
 
 
 def test_unknown_or_missing_subcommand_exits_2(capsys):
@@ -113,3 +121,14 @@ exit 3
     assert mlflow_line.startswith("mlflow 127.0.0.2:5999 pid ")
     pid = int(mlflow_line.rsplit(" ", 1)[1])
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()  # the other server was stopped
+
+
+@pytest.mark.parametrize("command", ["compare", "nightly", "claims"])
+def test_flow_options_out_of_bounds_exit_2_naming_the_option(command, tmp_path, capsys):
+    # Checked by the flows' ComparisonSpec before any server starts or any folder is made.
+    out = tmp_path / "out"
+    assert main([command, "--preset", "micro", "--seeds", "", "--target-fraction", "1.5", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --seeds: List should have at least 1 item after validation, not 0",
+                   "error: --target-fraction: Input should be less than or equal to 1"], err
+    assert not out.exists()

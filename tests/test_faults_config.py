@@ -411,7 +411,8 @@ def test_cli_train_bad_value_exits_2_in_one_line_and_trains_nothing(tmp_path, te
 
 
 def test_flow_set_and_yaml_read_1e_4_alike(tmp_path):
-    from flows.compare_variants import build_config, parse_sets
+    from flows.cli import parse_sets
+    from flows.common import build_config
 
     overrides, _ = parse_sets(["rl.lr=1e-4"])
     from_set = build_config("micro", overrides=overrides).rl.lr

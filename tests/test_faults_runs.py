@@ -13,6 +13,11 @@ mid-training, a flow that fails. Real processes, a real MLflow server, real Pref
    down at the end: the task fails with a clear message, and a re-run back-fills.
 6. A failed flow exits promptly: Prefect's log / event workers are drained before the
    temporary server stops, on failure too.
+7. A tracking store that is down from the start fails the command (and the flow, as a
+   deployment runs it) in seconds, naming the store with its password masked, before the
+   Prefect server starts or anything is written.
+8. SIGTERM to the flow's process group mid-training: the command exits within seconds and
+   leaves no MLflow run RUNNING.
 """
 
 from __future__ import annotations
@@ -158,7 +163,8 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
     assert "taking over" not in again.stderr  # the first released it cleanly
 
     # Seed 1: SIGKILLed mid-run; the next run takes over the stale lock and resumes.
-    killed = subprocess.Popen(_train_cmd(out, 400, 1), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = subprocess.Popen(_train_cmd(out, 400, 1), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     _wait_for("loglinear-seed1/checkpoints/latest", out, killed)
     _sigkill(killed)
     ckpt_step = json.loads((out / "loglinear-seed1" / "checkpoints" / "latest").read_text())["step"]
@@ -182,7 +188,8 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     args = ["--preset", "micro", "--variants", "loglinear", "--seeds", "0", "--steps", "800", "--checkpoint-every", "50",
             "--set", "rl.eval_every=400", "--benchmarks", "", "--tracking-uri", uri, "--experiment", "two", "--output-dir", str(out)]
     env = {**ENV, "PREFECT_API_URL": prefect_server}
-    first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
     _wait_for("loglinear-seed0-*/checkpoints/latest", out, first)  # training, with its parent and child runs open
     # A second flow: refused by the command line before it starts anything, and by the flow
     # itself (what a deployment runs), before it opens an MLflow run.
@@ -193,7 +200,8 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
     assert first.poll() is None, "the first flow ended before the second was checked: the test proves nothing"
-    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "flows/compare_variants.py --preset micro" in second.stderr, second.stderr
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr, second.stderr
+    assert "flows/compare_variants.py --preset micro" in second.stderr, second.stderr
     assert len(runs) == 2 and {r.info.status for r in runs} == {"RUNNING"}  # the first flow's parent + child, nothing else
     assert not any("a3po.superseded_by" in r.data.tags for r in runs)
     stdout, stderr = first.communicate(timeout=600)
@@ -217,7 +225,8 @@ class MlflowServer:
     def start(self, timeout_s: float = 240) -> None:
         cmd = [PY, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=ENV, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=ENV, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -244,6 +253,21 @@ def mlflow_server(tmp_path):
 
 def _steps_in(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+WATCHER_S = 300  # the longest a watcher thread waits for training to reach a step
+
+
+def _wait_for_steps(path: Path, steps: int, seen: dict, timeout_s: float = WATCHER_S) -> bool:
+    """Wait until ``path`` holds ``steps`` steps; False (with ``seen["timeout"]`` saying why)
+    after ``timeout_s``, so a training that never gets there fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout_s
+    while _steps_in(path) < steps:
+        if time.monotonic() > deadline:
+            seen["timeout"] = f"{path} held {_steps_in(path)} of {steps} steps after {timeout_s} s"
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _tracked_training(server: MlflowServer, tmp_path: Path, steps: int):
@@ -280,8 +304,8 @@ def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
 
     def outage() -> None:  # stop the server after step 2, restart it some steps later
         metrics = run_dir / "metrics.jsonl"
-        while _steps_in(metrics) < 2:
-            time.sleep(0.01)
+        if not _wait_for_steps(metrics, 2, seen):
+            return
         mlflow_server.stop()
         seen["down_at"] = _steps_in(metrics)
         time.sleep(8)  # > the shipper's 5 s flush period: it must meet the outage
@@ -293,13 +317,15 @@ def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
     handler.emit = lambda record: warnings.append(record.getMessage())
     task_log = logging.getLogger("a3po.tasks")  # the task's logger outside a Prefect run (``.fn()``)
     task_log.addHandler(handler)
-    watcher = threading.Thread(target=outage)
+    watcher = threading.Thread(target=outage, daemon=True)
     watcher.start()
     try:
         rec = train_variant.fn(cfg, str(run_dir), ws, ref, system_metrics_interval_s=1.0)
     finally:
-        watcher.join()
+        watcher.join(timeout=WATCHER_S)
         task_log.removeHandler(handler)
+    assert not watcher.is_alive(), f"the outage thread was still running {WATCHER_S} s after training ended"
+    assert "timeout" not in seen, seen["timeout"]
     assert seen["up_from"] > seen["down_at"]  # training went on while the server was down
     assert seen["up_from"] < rec.steps, "training ended before the server came back: the test proves nothing"
     # Once per outage (a slow answer past the client timeout on a loaded machine counts as one too).
@@ -324,16 +350,20 @@ def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlfl
     cfg, ref, ws, run_dir = _tracked_training(mlflow_server, tmp_path, steps=60)
     import threading
 
-    def outage() -> None:
-        while _steps_in(run_dir / "metrics.jsonl") < 2:
-            time.sleep(0.01)
-        mlflow_server.stop()
+    seen: dict[str, str] = {}
 
-    watcher = threading.Thread(target=outage)
+    def outage() -> None:
+        if _wait_for_steps(run_dir / "metrics.jsonl", 2, seen):
+            mlflow_server.stop()
+
+    watcher = threading.Thread(target=outage, daemon=True)
     watcher.start()
-    with pytest.raises(TrackingUnavailable) as err:
-        train_variant.fn(cfg, str(run_dir), ws, ref, tracking_drain_s=3.0)
-    watcher.join()
+    try:
+        with pytest.raises(TrackingUnavailable) as err:
+            train_variant.fn(cfg, str(run_dir), ws, ref, tracking_drain_s=3.0)
+    finally:
+        watcher.join(timeout=WATCHER_S)
+    assert not watcher.is_alive() and "timeout" not in seen, seen.get("timeout", "the outage thread never ended")
     msg = str(err.value)
     assert str(run_dir / "metrics.jsonl") in msg and "back-fills" in msg and "unreachable since" in msg
     assert _steps_in(run_dir / "metrics.jsonl") == 60  # training itself finished
@@ -359,11 +389,85 @@ def test_failed_flow_exits_within_seconds(tmp_path):
     cmd = [PY, "-m", "flows.compare_variants", "--preset", "micro", "--variants", "loglinear", "--dataset", str(tmp_path / "absent"),
            "--benchmarks", "", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    failed_at = None
+    failed_at, lines = None, []
     for line in proc.stdout:
+        lines.append(line)
         if failed_at is None and "Finished in state Failed" in line:
             failed_at = time.monotonic()
     proc.wait(timeout=600)
+    assert failed_at is not None, "the flow never printed 'Finished in state Failed':\n" + "".join(lines[-40:])
     exit_s = time.monotonic() - failed_at
     print(f"failed flow exited {exit_s:.1f} s after its failure")
     assert proc.returncode != 0 and exit_s < 45
+
+
+# --- 7. a tracking store down from the start ---------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_a_tracking_store_down_from_the_start_fails_in_seconds_naming_it(tmp_path, monkeypatch, capsys):
+    from flows import cli as flow_cli
+    from flows.compare_variants import compare_variants, main
+    from tasks.tracking import TrackingUnreachable
+
+    port = _closed_port()
+    uri = f"http://a3po:s3cret@127.0.0.1:{port}/?token=s3cret"
+    out = tmp_path / "out"
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the Prefect server was started for a tracking store that is down")
+
+    monkeypatch.setattr(flow_cli, "prefect_api", no_server)
+    t0 = time.monotonic()
+    assert main(["--preset", "micro", "--variants", "loglinear", "--benchmarks", "", "--tracking-uri", uri, "--output-dir", str(out)]) == 1
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert f"http://a3po:***@127.0.0.1:{port}/?token=*** is unreachable" in err and "s3cret" not in err, err
+    assert took < 15, f"{took:.1f} s to give up on a closed port"  # the configs are built first: a few seconds on 2 busy cores
+    assert not out.exists()
+    # A deployment runs the flow itself: it fails the same way, before any folder or run exists.
+    with pytest.raises(TrackingUnreachable, match=r"a3po:\*\*\*@127\.0\.0\.1") as e:
+        compare_variants.fn(preset="micro", variants=["loglinear"], benchmarks=[], tracking_uri=uri, output_dir=str(out))
+    assert "s3cret" not in str(e.value) and not out.exists()
+
+
+# --- 8. SIGTERM to the flow's process group ------------------------------------------------------
+
+
+def test_sigterm_to_the_process_group_mid_training_exits_within_seconds(tmp_path):
+    """What a terminal's Ctrl-C, ``timeout`` or a CI job's cancel does: the signal reaches every
+    process of the group. The temporary Prefect server runs in its own session, so it outlives the
+    signal long enough for the flow to record its end: before, the flow retried the dead server
+    for ~4 minutes. The bound is loose on purpose (a few seconds on an idle machine)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in ENV.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=uri)
+    out = tmp_path / "out"
+    cmd = [PY, "-m", "flows.compare_variants", "--preset", "micro", "--variants", "loglinear", "--steps", "5000", "--checkpoint-every", "20",
+           "--benchmarks", "", "--experiment", "sigterm", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for("loglinear-seed0-*/checkpoints/latest", out, proc)  # training, with its parent and child runs open
+        os.killpg(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after SIGTERM:\n{(tmp_path / 'log').read_text()[-3000:]}")
+        exit_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"exited {exit_s:.1f} s after SIGTERM")
+    assert proc.returncode != 0 and exit_s < 30, (exit_s, (tmp_path / "log").read_text()[-3000:])
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FAILED"}, [(r.data.tags.get("a3po.role"), r.info.status) for r in runs]

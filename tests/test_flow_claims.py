@@ -4,6 +4,8 @@ MLflow store (SQLite in tmp_path)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tasks.claims import CLAIMS, NOT_MEASURABLE, NOT_REPRODUCED, REPRODUCED, Rule, check_claims, claims_markdown, spread
@@ -113,10 +115,29 @@ def test_paper_claims_flow_end_to_end(prefect_server, tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim |")]
     assert len(rows) == len(CLAIMS)
     verdicts = (REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE)
-    for claim, line in zip(CLAIMS, rows):
+    for claim, line in zip(CLAIMS, rows, strict=True):
         assert f"({claim.key})" in line
         assert sum(f"**{v}**" in line for v in verdicts) == 1, line
         assert parent[f"tags.claim.{claim.key}"] in verdicts
     # The paper's proximal-time claim is measurable on any run with both variants: recompute's
     # forward pass takes time (3 steps, 1 seed).
     assert parent["tags.claim.prox_time"] != NOT_MEASURABLE
+
+    # The figures behind two verdicts, recomputed here from the runs' own step records (not through
+    # tasks.summary): 3 steps -> a smoothing window of ceil(0.25 x 3) = 1 step, so the final reward
+    # is the last step's reward/mean; the proximal time is the mean of prox/time_s over the steps.
+    history = {r["variant"]: [json.loads(line) for line in open(r["history_path"])] for r in res["runs"]}
+    assert all(len(h) == 3 for h in history.values())
+    by_claim = {r["claim"]: r for r in res["claims"]}
+    gap = history["loglinear"][-1]["reward/mean"] - history["recompute"][-1]["reward/mean"]
+    parity = by_claim["reward_parity"]
+    assert parity["values"] == {"0": pytest.approx(gap)}
+    assert parity["verdict"] == (REPRODUCED if gap >= -0.05 else NOT_REPRODUCED), (gap, parity)
+    prox = lambda v: sum(h.get("prox/time_s", 0.0) for h in history[v]) / 3  # noqa: E731
+    ratio = prox("recompute") / prox("loglinear")
+    assert by_claim["prox_time"]["values"] == {"0": pytest.approx(ratio)}
+    assert by_claim["prox_time"]["verdict"] == (REPRODUCED if ratio >= 10 else NOT_REPRODUCED), (ratio, by_claim["prox_time"])
+    # ... and the parent run carries the same figures and verdicts.
+    assert parent["metrics.claims/reward_parity/mean"] == pytest.approx(gap)
+    assert parent["metrics.claims/prox_time/mean"] == pytest.approx(ratio)
+    assert all(parent[f"tags.claim.{k}"] == r["verdict"] for k, r in by_claim.items())

@@ -22,7 +22,9 @@ from a3po.training.metrics import valid_metric_key
 
 # Prefect sets up its console log handler on import: here, not under a test's captured stderr
 # (capsys closes that stream, and the flow test would log into it).
-from flows.compare_variants import compare_variants, parse_sets, variant_config
+from flows.cli import parse_sets
+from flows.common import variant_config
+from flows.compare_variants import compare_variants
 from tasks.arms import arm_config, arm_name, expand_arms, metric_key_part, parse_arm
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
@@ -85,12 +87,12 @@ def _record(arm: str, seed: int, rewards: list[float], step_s: float) -> dict:
 
 
 def test_summary_rows_are_arms_with_a_speedup_against_oppo_off():
-    from tasks.summary import compare, table
+    from tasks.summary import ArmRun, compare, table
 
     # 4 steps, smooth_frac 0.25 -> W = 1: final reward = last step's. Both reach the target
     # 0 + 0.8 * (1 - 0) = 0.8 at step 4: loglinear at 4 x 0.2 = 0.8 s, OPPO at 4 x 0.1 = 0.4 s.
     recs = [_record("loglinear", 0, [0.0, 0.2, 0.5, 1.0], 0.2), _record("loglinear+oppo-inter", 0, [0.0, 0.2, 0.5, 1.0], 0.1)]
-    comp = compare(recs)
+    comp = compare([ArmRun.of(r) for r in recs])
     rows = {r["variant"]: r for r in comp.rows}
     assert list(rows) == ["loglinear", "loglinear+oppo-inter"]
     assert rows["loglinear+oppo-inter"]["speedup_ttt_vs_oppo_off"] == pytest.approx(2.0)  # 0.8 s / 0.4 s
@@ -102,7 +104,7 @@ def test_summary_rows_are_arms_with_a_speedup_against_oppo_off():
     df = table(comp)
     assert df["variant"].tolist() == ["loglinear", "loglinear+oppo-inter"] and "speedup vs OPPO off (target)" in df.columns
     # Without an OPPO arm the table keeps its columns.
-    assert "speedup vs OPPO off (target)" not in table(compare(recs[:1])).columns
+    assert "speedup vs OPPO off (target)" not in table(compare([ArmRun.of(recs[0])])).columns
 
 
 def test_parity_rule_pairs_oppo_on_with_off_by_seed():
@@ -153,7 +155,8 @@ def test_compare_flow_runs_oppo_arms_and_ships_their_per_step_records(prefect_se
     assert rows["loglinear+oppo-inter"]["speedup_step_vs_oppo_off"] > 0 and "loglinear+oppo-inter" in res["summary"]["table_md"]
     parent = runs[runs["tags.a3po.role"] == "parent"].iloc[0]
     assert parent["tags.a3po.variants"] == "loglinear,loglinear+oppo-intra,loglinear+oppo-inter"
-    assert parent["metrics.speedup/loglinear_oppo-inter_vs_loglinear/step_time"] == pytest.approx(rows["loglinear+oppo-inter"]["speedup_step_vs_oppo_off"])
+    speedup = rows["loglinear+oppo-inter"]["speedup_step_vs_oppo_off"]
+    assert parent["metrics.speedup/loglinear_oppo-inter_vs_loglinear/step_time"] == pytest.approx(speedup)
 
     # Per-step records: one value per RL step, equal to the trainer's own (history.jsonl).
     client = MlflowClient(uri)
@@ -164,5 +167,6 @@ def test_compare_flow_runs_oppo_arms_and_ships_their_per_step_records(prefect_se
         for key in (*PER_STEP, *PER_STEP_ARM.get(rec["arm"], ())):
             shipped = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
             assert shipped == [(h["step"], pytest.approx(h[key], rel=1e-12)) for h in local], (rec["arm"], key)
-    inter = [json.loads(line) for line in Path(next(r for r in res["runs"] if r["arm"] == "loglinear+oppo-inter")["history_path"]).read_text().splitlines()]
+    inter_run = next(r for r in res["runs"] if r["arm"] == "loglinear+oppo-inter")
+    inter = [json.loads(line) for line in Path(inter_run["history_path"]).read_text().splitlines()]
     assert inter[0]["oppo/delta"] == 2.0  # oppo.delta_init: the first batch admitted B + 2 groups

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from flows.compare_variants import parse_sets
+from flows.cli import parse_sets
 from tasks.evaluation import available_benchmarks
 from tasks.parity import decide, paired_bootstrap_ci
-from tasks.summary import compare, smooth, table, time_to_target, window
+from tasks.summary import ArmRun, compare, smooth, table, time_to_target, window
 from tasks.tracking import MlflowMetricLogger, client_for, create_run, ensure_experiment, flatten
 
 
@@ -68,7 +68,7 @@ def test_comparison_target_and_speedups():
         {"variant": "loglinear", "seed": 0, "history": _hist(ramp, 0.5), "final_acc": 0.6, "warmstart_acc": 0.2},
     ]
     assert window(8) == 2 and smooth([0, 1, 2, 3], 2) == [0, 0.5, 1.5, 2.5]
-    comp = compare(recs)
+    comp = compare([ArmRun.of(r) for r in recs])
     # r0 = 0 (first step), final = mean(0.6, 0.7) = 0.65, target = 0 + 0.8 * 0.65 = 0.52;
     # smoothed reward first >= 0.52 at step 7 (mean(0.5, 0.6) = 0.55): wall 7 s vs 3.5 s.
     assert comp.target == pytest.approx(0.52)
@@ -85,7 +85,7 @@ def test_comparison_target_and_speedups():
 
 def test_comparison_without_learning_reports_no_target():
     flat = _hist([0.0] * 4, 1.0)
-    comp = compare([{"variant": v, "seed": 0, "history": flat, "final_acc": 0.0, "warmstart_acc": 0.0} for v in ("sync", "loglinear")])
+    comp = compare([ArmRun(v, 0, flat, warmstart_acc=0.0, final_acc=0.0) for v in ("sync", "loglinear")])
     assert comp.target is None and comp.notes
     assert not any(k.endswith("time_to_target") for k in comp.metrics)
 
@@ -100,14 +100,15 @@ def test_comparison_stability_columns():
     #   behaviour IW max = max over steps and seeds; p99 and clipped = mean over steps, then over seeds.
     def rec(variant, seed, steps):
         h = _hist([0.0, 0.1], 1.0)
-        return {"variant": variant, "seed": seed, "history": [{**x, **_stab(*st)} for x, st in zip(h, steps)], "final_acc": 0.0, "warmstart_acc": 0.0}
+        history = [{**x, **_stab(*st)} for x, st in zip(h, steps, strict=True)]
+        return {"variant": variant, "seed": seed, "history": history, "final_acc": 0.0, "warmstart_acc": 0.0}
 
     recs = [
         rec("loglinear", 0, [(2.0, 1.5, 3.0, 0.01), (4.0, 2.5, 1.0, 0.03)]),  # p99 mean 2.0, clipped mean 0.02
         rec("loglinear", 1, [(6.0, 1.0, 2.0, 0.00), (1.0, 1.0, 2.0, 0.00)]),  # p99 mean 1.0, clipped mean 0.0
         rec("recompute", 0, [(9.0, 3.0, 1.5, 0.10), (8.0, 5.0, 1.2, 0.20)]),
     ]
-    comp = compare(recs)
+    comp = compare([ArmRun.of(r) for r in recs])
     ll, rc = comp.rows
     assert (ll["behav_iw_max"], ll["behav_iw_p99"], ll["trust_ratio_max"], ll["clipped_frac"]) == pytest.approx((6.0, 1.5, 3.0, 0.01))
     assert (rc["behav_iw_max"], rc["behav_iw_p99"], rc["trust_ratio_max"], rc["clipped_frac"]) == pytest.approx((9.0, 4.0, 1.5, 0.15))

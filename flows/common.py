@@ -1,0 +1,231 @@
+"""The skeleton the comparison flows share (compare_variants, nightly_parity, paper_claims).
+
+Each flow is: its :class:`ComparisonSpec` (checked when built) -> the base config -> the output
+folder held for the whole flow run -> the MLflow parent run (:func:`parent_run`, closed FAILED
+or FINISHED) -> :func:`run_comparison` (train and evaluate every arm x seed) -> links and
+summary (:func:`compare_and_summarise`) -> the flow's own judgement -> the parent run's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from prefect import get_run_logger
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from a3po.config import TrainConfig, config_to_dict, merge_yaml, with_overrides
+from a3po.config import preset as load_preset
+from a3po.storage.runlock import hold_run_folder
+from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
+from infra.launch import LaunchSpec, launch_spec
+from tasks.arms import arm_config, arm_name, parse_arm
+from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
+from tasks.links import tag_run_links
+from tasks.runtime import default_tracking_uri, mask_uri
+from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
+from tasks.tracking import TrackingRef, close_parent_run, close_parent_run_quietly, open_parent_run, probe_tracking
+from tasks.training import run_dir_for, topology_tags, warm_start, warmstart_ready
+
+
+def default_data_dir() -> str:
+    """Benchmark files: ``$A3PO_SHARED_DATA`` or ``../shared/data``; absent is fine (skipped)."""
+    return os.environ.get("A3PO_SHARED_DATA") or str(Path.cwd().parent / "shared" / "data")
+
+
+class ComparisonSpec(BaseModel):
+    """What every comparison flow is given besides its own judgement: the config, the seeds, the
+    benchmarks, where results and tracking go, and how training is launched. Unknown or
+    ill-typed fields raise when the spec is built, naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    default_output_dir: ClassVar[str] = "runs/compare-{preset}"  # '{preset}' and '{date}' (UTC) are filled in
+
+    preset: str = "tiny"  # built-in config: tiny (learns in minutes on CPU) or micro (seconds, plumbing only)
+    config: str | None = None  # YAML TrainConfig laid over the preset
+    model: str | None = None  # built-in arch or HF path (model.name)
+    dataset: str | None = None  # folder with train.jsonl and heldout.jsonl
+    task: str | None = None  # grading task of the dataset (data.task)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)  # RL seeds, paired across arms
+    steps: int | None = Field(default=None, ge=1)  # rl.steps
+    max_staleness: int | None = Field(default=None, ge=0)  # rl.max_staleness
+    checkpoint_every: int | None = Field(default=None, ge=1)  # rl.checkpoint_every
+    overrides: dict[str, Any] | None = None  # {section: {field: value}} for every arm
+    variant_overrides: dict[str, dict[str, Any]] | None = None  # {variant or arm: {rl_field: value}}
+    torch_threads: int | None = Field(default=None, ge=1)  # the config's torch_threads
+    benchmarks: list[str] = Field(default_factory=list)  # evaluated on each final checkpoint
+    bench_limit: int | None = Field(default=50, ge=1)  # first N problems of each benchmark (None: all)
+    bench_max_new_tokens: int = Field(default=64, ge=1)
+    data_dir: str | None = None  # benchmark files (default: default_data_dir())
+    tracking_uri: str | None = None  # MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db)
+    experiment: str = "a3po-compare"
+    output_dir: str | None = None  # default: default_output_dir
+    cache_dir: str | None = None  # dataset and warm-start cache (default <output_dir>/cache)
+    target_fraction: float = Field(default=TARGET_FRACTION, gt=0, le=1)  # tasks.summary
+    smooth_frac: float = Field(default=SMOOTH_FRAC, gt=0, le=1)  # tasks.summary
+    system_metrics_interval_s: float = Field(default=10.0, gt=0)
+    launch: str | dict[str, Any] = "local"  # "local" or LaunchSpec fields (infra.launch)
+
+    @field_validator("launch")
+    @classmethod
+    def _launch_is_a_spec(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        launch_spec(value)  # raises naming the LaunchSpec field
+        return value
+
+    @field_validator("variant_overrides")
+    @classmethod
+    def _keys_are_arms(cls, value: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
+        for name in value or {}:
+            parse_arm(name)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
+        return value
+
+    @classmethod
+    def of_flow(cls, values: dict[str, Any]) -> "ComparisonSpec":
+        """The spec from a flow's parameters (its ``locals()`` on entry: the flows keep flat
+        parameters, so deployments and callers name them as before); the flow's own are left out."""
+        return cls(**{k: v for k, v in values.items() if k in cls.model_fields})
+
+    def train_config(self) -> TrainConfig:
+        return build_config(self.preset, self.config, self.model, self.dataset, self.task, self.steps, self.max_staleness,
+                            self.checkpoint_every, self.overrides, self.torch_threads)
+
+    def output_folder(self) -> Path:
+        """'{date}' gives each scheduled run its own folder (a re-run the same day resumes)."""
+        template = self.output_dir or self.default_output_dir
+        return Path(template.replace("{preset}", self.preset).replace("{date}", f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")).resolve()
+
+    def cache_folder(self, out: Path) -> Path:
+        return Path(self.cache_dir).resolve() if self.cache_dir else out / "cache"
+
+    def store(self) -> str:
+        return self.tracking_uri or default_tracking_uri()
+
+    def launch_spec(self) -> LaunchSpec:
+        return launch_spec(self.launch)
+
+
+def build_config(
+    preset: str,
+    config: str | None = None,
+    model: str | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
+    steps: int | None = None,
+    max_staleness: int | None = None,
+    checkpoint_every: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    torch_threads: int | None = None,
+) -> TrainConfig:
+    """The base config of a comparison: preset, then YAML, then explicit values (invalid
+    combinations raise here, before anything runs)."""
+    cfg = load_preset(preset)
+    if config:
+        cfg = merge_yaml(cfg, config)
+    sections: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (overrides or {}).items()}
+    if model:
+        sections.setdefault("model", {})["name"] = model
+    if dataset:
+        d = Path(dataset)
+        sections.setdefault("data", {}).update({"train_path": str(d / "train.jsonl"), "heldout_path": str(d / "heldout.jsonl")})
+    if task:
+        sections.setdefault("data", {})["task"] = task
+    rl = sections.setdefault("rl", {})
+    for key, val in (("steps", steps), ("max_staleness", max_staleness), ("checkpoint_every", checkpoint_every)):
+        if val is not None:
+            rl[key] = val
+    if torch_threads:
+        sections["torch_threads"] = torch_threads
+    return with_overrides(cfg, **sections)
+
+
+def variant_config(base: TrainConfig, arm: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
+    """The config of one arm (a variant, or ``<variant>+oppo-<mode>``: tasks.arms) and seed;
+    ``variant_overrides`` keyed by the variant apply to all its arms, keyed by the arm to that one."""
+    vo = variant_overrides or {}
+    variant, _ = parse_arm(arm)
+    return arm_config(base, arm, seed, {**vo.get(variant, {}), **(vo.get(arm, {}) if arm != variant else {})})
+
+
+def parent_params(cfg: TrainConfig, **flow_values: Any) -> dict[str, Any]:
+    """The parent run's params: the base config (less the per-child variant and seed) and the
+    flow's own values under ``flow.*``."""
+    d = config_to_dict(cfg)
+    d["rl"].pop("variant"), d["rl"].pop("seed")  # per child run
+    return {**d, "flow": {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flow_values.items()}}
+
+
+def launch_params(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, Any]]:
+    """(tags, params) recording a comparison's topology on its parent run (``launch.*``)."""
+    topo = spec.topology()
+    return topology_tags(topo), {"launch": topo}
+
+
+@contextlib.contextmanager
+def parent_run(spec: ComparisonSpec, out: Path, run_name: str, tags: dict[str, str], params: dict[str, Any]) -> Iterator[TrackingRef]:
+    """Hold ``out`` (one writer per output folder) and the flow's MLflow parent run for the body.
+
+    The tracking store is probed first (bounded: a store that is down fails here in seconds,
+    naming it, before any training). The run ends FINISHED when the body returns, FAILED when it
+    raises (SIGTERM, Ctrl-C included); closing FAILED is bounded too and never hides the error."""
+    uri = spec.store()
+    probe_tracking(uri)
+    with hold_run_folder(out, log=get_run_logger().warning):
+        ref = open_parent_run(uri, spec.experiment, run_name, str(out), tags, params)
+        try:
+            yield ref
+        except BaseException:
+            close_parent_run_quietly(ref, "FAILED")
+            raise
+        close_parent_run(ref, "FINISHED")
+
+
+def run_comparison(
+    spec: ComparisonSpec,
+    base: TrainConfig,
+    tracking: TrackingRef,
+    output_dir: Path,
+    arms: list[str],
+    launch: LaunchSpec | None = None,
+    fanout_deployment: str | None = None,
+) -> list[dict[str, Any]]:
+    """One record per arm x seed (``spec.seeds``), trained and evaluated from one warm start.
+    ``launch`` (not local): each training runs as ranks of ``python -m a3po.cli train``
+    (tasks.training.train_launched). ``fanout_deployment``: each arm x seed runs as a run of that
+    ``train-one`` deployment, all submitted at once, on the workers of its pool
+    (flows.train_one); else here, in turn. ``arms`` (tasks.arms): ``loglinear``,
+    ``loglinear+oppo-inter``, ...; each record's ``arm`` is the name of the config that ran."""
+    cache_dir = spec.cache_folder(output_dir)
+    data_dir = spec.data_dir if spec.data_dir is not None else default_data_dir()
+    # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
+    data = prepare_dataset.with_options(refresh_cache=not dataset_ready(base, cache_dir))(base, str(cache_dir))
+    base = with_prepared_data(base, data)
+    ws = warm_start.with_options(refresh_cache=not warmstart_ready(base, cache_dir))(base, str(cache_dir))
+    get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
+    jobs = [(cfg, str(run_dir_for(output_dir, cfg))) for cfg in
+            (variant_config(base, arm, seed, spec.variant_overrides) for arm in arms for seed in spec.seeds)]
+    evaluation = dict(benchmarks=spec.benchmarks, data_dir=data_dir, bench_limit=spec.bench_limit,
+                      bench_max_new_tokens=spec.bench_max_new_tokens, system_metrics_interval_s=spec.system_metrics_interval_s)
+    if fanout_deployment:
+        return fan_out(fanout_deployment, [
+            (f"{arm_name(cfg)} seed {cfg.rl.seed}", run_dir,
+             # The store's secrets stay out of Prefect's flow-run parameters: each worker reads its own (flows.train_one).
+             dict(config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
+                  tracking={**dataclasses.asdict(tracking), "tracking_uri": mask_uri(tracking.tracking_uri)},
+                  launch=spec_to_dict(launch or LaunchSpec()), **evaluation))
+            for cfg, run_dir in jobs])
+    return [train_and_evaluate(cfg, run_dir, ws, tracking, launch, **evaluation) for cfg, run_dir in jobs]
+
+
+def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[str], launch: LaunchSpec | None = None,
+                          fanout_deployment: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """``(records, links, summary)``: the comparison, its links tagged on the parent run, and
+    its summary (table, speedups, plots) written under ``<out>/summary``."""
+    records = run_comparison(spec, base, ref, out, arms, launch=launch, fanout_deployment=fanout_deployment)
+    links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
+    summary = summarise(records, str(out / "summary"), spec.target_fraction, spec.smooth_frac)
+    return records, links, summary
