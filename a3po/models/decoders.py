@@ -124,7 +124,7 @@ def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) ->
     """The bias of ``cat(weights)``: None when every part has none, zeros for a part without."""
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)])
 
 
 def _rotate_half_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
