@@ -158,7 +158,8 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
     assert "taking over" not in again.stderr  # the first released it cleanly
 
     # Seed 1: SIGKILLed mid-run; the next run takes over the stale lock and resumes.
-    killed = subprocess.Popen(_train_cmd(out, 400, 1), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = subprocess.Popen(_train_cmd(out, 400, 1), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     _wait_for("loglinear-seed1/checkpoints/latest", out, killed)
     _sigkill(killed)
     ckpt_step = json.loads((out / "loglinear-seed1" / "checkpoints" / "latest").read_text())["step"]
@@ -183,7 +184,8 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     args = ["--preset", "micro", "--variants", "loglinear", "--seeds", "0", "--steps", "800", "--checkpoint-every", "50",
             "--set", "rl.eval_every=400", "--benchmarks", "", "--tracking-uri", uri, "--experiment", "two", "--output-dir", str(out)]
     env = {**ENV, "PREFECT_API_URL": prefect_server}
-    first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([PY, "-m", "flows.compare_variants", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
     _wait_for("loglinear-seed0-*/checkpoints/latest", out, first)  # training, with its parent and child runs open
     # A second flow: refused by the command line before it starts anything, and by the flow
     # itself (what a deployment runs), before it opens an MLflow run.
@@ -194,7 +196,8 @@ def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two").experiment_id])
     assert first.poll() is None, "the first flow ended before the second was checked: the test proves nothing"
-    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "flows/compare_variants.py --preset micro" in second.stderr, second.stderr
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr, second.stderr
+    assert "flows/compare_variants.py --preset micro" in second.stderr, second.stderr
     assert len(runs) == 2 and {r.info.status for r in runs} == {"RUNNING"}  # the first flow's parent + child, nothing else
     assert not any("a3po.superseded_by" in r.data.tags for r in runs)
     stdout, stderr = first.communicate(timeout=600)
@@ -218,7 +221,8 @@ class MlflowServer:
     def start(self, timeout_s: float = 240) -> None:
         cmd = [PY, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=ENV, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=ENV, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
