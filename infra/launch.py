@@ -118,7 +118,8 @@ class LaunchSpec:
             if bad:
                 raise ValueError(f"launch.nodes: node ranks {bad} are outside [0, launch.nnodes = {self.nnodes})")
             if self.master_port is None and len(nodes) < self.nnodes:
-                raise ValueError("launch.master_port is required when other nodes start their own torchrun (launch.nodes does not cover launch.nnodes)")
+                raise ValueError("launch.master_port is required when other nodes start their own torchrun "
+                                 "(launch.nodes does not cover launch.nnodes)")
             return
         for name, default in torchrun_only.items():
             if getattr(self, name) != default:
@@ -284,7 +285,9 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)
 class _Run:
     """The launchers of one call, their output and their descendants."""
 
-    def __init__(self, spec: LaunchSpec, commands: dict[int, list[str]], env: dict[str, str], cwd: str | None, on_line: LineCallback | None, tail: int) -> None:
+    def __init__(
+        self, spec: LaunchSpec, commands: dict[int, list[str]], env: dict[str, str], cwd: str | None, on_line: LineCallback | None, tail: int
+    ) -> None:
         self.spec, self.on_line = spec, on_line
         self.tail: dict[int | None, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=tail))
         self.counts: collections.Counter = collections.Counter()

@@ -50,7 +50,9 @@ def compare_link(store: str) -> str:
 
     client = MlflowClient(tracking_uri=store)
     exps = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(exps, "tags.`a3po.kind` = 'compare' and tags.`a3po.role` = 'parent'", order_by=["attributes.start_time DESC"], max_results=1)
+    runs = client.search_runs(
+        exps, "tags.`a3po.kind` = 'compare' and tags.`a3po.role` = 'parent'", order_by=["attributes.start_time DESC"], max_results=1
+    )
     if not runs or "a3po.link.compare_runs" not in runs[0].data.tags:
         raise SystemExit(f"no comparison with an a3po.link.compare_runs tag in {store}: run python -m flows.compare_variants first")
     return runs[0].data.tags["a3po.link.compare_runs"]

@@ -178,6 +178,7 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
 # --- 4. two compare flows on one output dir ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_compare_flows_on_one_output_dir(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -86,7 +86,7 @@ def validate_rows(
             if n_tok > max_prompt_tokens:
                 problem = f"prompt has {n_tok} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
         if problem is None:
-            named = dict(zip(REQUIRED_FIELDS, (row[fields[0]], row[fields[1]])))
+            named = dict(zip(REQUIRED_FIELDS, (row[fields[0]], row[fields[1]]), strict=True))
             kept.append({**{k: v for k, v in row.items() if k != "_row"}, **named, "id": str(row.get("id", f"{source}#{i}"))})
             continue
         if on_bad_row == "error":

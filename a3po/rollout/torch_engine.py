@@ -64,7 +64,7 @@ class RolloutBatch:
     @property
     def responses(self) -> list[list[int]]:
         """Generated token ids per row, EOS included."""
-        return [row[m].tolist() for row, m in zip(self.input_ids, self.response_mask)]
+        return [row[m].tolist() for row, m in zip(self.input_ids, self.response_mask, strict=True)]
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -161,6 +161,10 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         decoder = None
+        # The previous step's tokens and alive mask, fed to decoder.step; a prefill (step 0, or
+        # after new weights) never reads them.
+        tok = torch.full((n,), self.pad_token_id, dtype=torch.long, device=device)
+        alive_before = alive
         for t in range(params.max_new_tokens):
             if between_steps is not None:
                 v = between_steps(t)
@@ -194,7 +198,8 @@ class RolloutEngine:
                 on_token(t, tok, alive_before)
             if row_budget is not None:
                 alive = alive & (row_budget.to(device) > t + 1)
-            if not bool(alive.any()) or (stop_early is not None and stop_early(~alive)):  # a CPU-GPU sync point per decode step, the price of stopping early
+            # A CPU-GPU sync point per decode step: the price of stopping early.
+            if not bool(alive.any()) or (stop_early is not None and stop_early(~alive)):
                 break
             attn[:, width + t] = alive_before
         self.model.train(was_training)

@@ -164,7 +164,7 @@ class VllmEngine:
             if len(comp.logprobs or []) != len(ids):
                 raise RuntimeError(f"vLLM returned {len(comp.logprobs or [])} log-probs for {len(ids)} tokens (row {i})")
             tokens.append(ids)
-            logps.append([lp[t].logprob for t, lp in zip(ids, comp.logprobs)])
+            logps.append([lp[t].logprob for t, lp in zip(ids, comp.logprobs, strict=True)])
         return self._batch(prompts, tokens, logps, meta)
 
     def _batch(self, prompts, tokens: list[list[int]], logps: list[list[float]], meta) -> RolloutBatch:
@@ -177,7 +177,7 @@ class VllmEngine:
         behav = torch.zeros((n, width + steps), dtype=torch.float32)
         versions = torch.full((n, width + steps), -1, dtype=torch.long)
         finished = torch.zeros(n, dtype=torch.bool)
-        for i, (p, t, lp) in enumerate(zip(prompts, tokens, logps)):
+        for i, (p, t, lp) in enumerate(zip(prompts, tokens, logps, strict=True)):
             ids[i, width - len(p) : width] = torch.tensor(list(p), dtype=torch.long)
             attn[i, width - len(p) : width] = 1
             k = len(t)
