@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     size = SIZES[args.size]
-    for name, default in zip(("batch", "group_size", "steps", "max_new_tokens", "prompt_len"), size.defaults):
+    for name, default in zip(("batch", "group_size", "steps", "max_new_tokens", "prompt_len"), size.defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
     if min(args.batch, args.group_size, args.steps, args.max_new_tokens, args.prompt_len, args.minibatches) < 1 or args.staleness < 0:

@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'task':<8}  {'n':>5}  {'mean ms':>8}  {'p50 ms':>7}  {'p99 ms':>7}  {'max ms':>7}")
     for task, xs in sorted(per_task.items()):
         xs_ms = sorted(x * 1e3 for x in xs)
-        print(f"{task:<8}  {len(xs):>5}  {statistics.mean(xs_ms):>8.2f}  {xs_ms[len(xs_ms) // 2]:>7.2f}  {xs_ms[int(0.99 * (len(xs_ms) - 1))]:>7.2f}  {xs_ms[-1]:>7.1f}")
+        print(
+            f"{task:<8}  {len(xs):>5}  {statistics.mean(xs_ms):>8.2f}  {xs_ms[len(xs_ms) // 2]:>7.2f}  "
+            f"{xs_ms[int(0.99 * (len(xs_ms) - 1))]:>7.2f}  {xs_ms[-1]:>7.1f}"
+        )
     print(f"total {total:.2f} s (budget {args.budget_s:.0f} s), fast path {st['fast']}, math-verify {st['math_verify']}, "
           f"timeouts {st['timeouts']}, wrong decisions {len(wrong_decisions)}")
     for w in wrong_decisions[:10]:

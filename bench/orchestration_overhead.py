@@ -162,13 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     ok = in_flow < THRESHOLD
     print(f"orchestration overhead {'under' if ok else 'NOT under'} {THRESHOLD:.0%}: in-flow {in_flow:.1%} "
           f"(cross-checks, which carry other jobs' load: A/B wall {ab:+.1%}, A/B CPU {ab_cpu:+.1%})")
-    print(json.dumps({
-        "preset": args.preset, "variants": variants, "steps": args.steps, "order": args.order,
-        "direct_s": round(d["wall_s"], 2), "flow_s": round(f["wall_s"], 2), "flow_library_s": round(f["library_s"], 2),
-        "direct_cpu_s": round(d["cpu_s"], 1), "flow_cpu_s": round(flow_cpu, 1), "prefect_server_cpu_s": round(f["server_cpu_s"], 1),
-        "overhead_ab_wall": round(ab, 4), "overhead_ab_cpu": round(ab_cpu, 4), "overhead_in_flow": round(in_flow, 4), "under_5pct": ok, "same_results": same,
-        "prefect_server_startup_s": round(api["startup_s"], 1), "mlflow_store_init_s": round(store_s, 1),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "variants": variants,
+                "steps": args.steps,
+                "order": args.order,
+                "direct_s": round(d["wall_s"], 2),
+                "flow_s": round(f["wall_s"], 2),
+                "flow_library_s": round(f["library_s"], 2),
+                "direct_cpu_s": round(d["cpu_s"], 1),
+                "flow_cpu_s": round(flow_cpu, 1),
+                "prefect_server_cpu_s": round(f["server_cpu_s"], 1),
+                "overhead_ab_wall": round(ab, 4),
+                "overhead_ab_cpu": round(ab_cpu, 4),
+                "overhead_in_flow": round(in_flow, 4),
+                "under_5pct": ok,
+                "same_results": same,
+                "prefect_server_startup_s": round(api["startup_s"], 1),
+                "mlflow_store_init_s": round(store_s, 1),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

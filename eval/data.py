@@ -205,7 +205,14 @@ def resolve_local(name: str, source: str | Path) -> Path | None:
     if p.is_file():
         return p
     if p.is_dir():
-        for candidate in (p / name / "test.jsonl", p / name / "test.json", p / name / "test.parquet", p / f"{name}.jsonl", p / f"{name}.json", p / f"{name}.parquet"):
+        for candidate in (
+            p / name / "test.jsonl",
+            p / name / "test.json",
+            p / name / "test.parquet",
+            p / f"{name}.jsonl",
+            p / f"{name}.json",
+            p / f"{name}.parquet",
+        ):
             if candidate.is_file():
                 return candidate
         raise FileNotFoundError(f"no {name} file in {p} (looked for {name}/test.jsonl and {name}.jsonl)")

@@ -130,7 +130,7 @@ def lm_eval_item_scores(
         raise ValueError(f"{len(completions)} completions for {len(docs)} documents")
     instances = [
         Instance("generate_until", doc, ("", {}), idx=0, metadata=(task.config.task, i, 1), resps=[text])
-        for i, (doc, text) in enumerate(zip(docs, completions))
+        for i, (doc, text) in enumerate(zip(docs, completions, strict=True))
     ]
     ensembles = {f.name: f for f in task._filters}  # the pipelines built from the task's filter_list
     if filter_name not in ensembles:

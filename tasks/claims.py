@@ -100,7 +100,9 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def _ratio(num_variant: str, den_variant: str, key: str, what: str, unit: str = "", scale: float = 1.0) -> Callable[[Rows, float | None], Measurement]:
+def _ratio(
+    num_variant: str, den_variant: str, key: str, what: str, unit: str = "", scale: float = 1.0
+) -> Callable[[Rows, float | None], Measurement]:
     """Per seed ``num[key] / den[key]``."""
 
     def measure(rows: Rows, target: float | None) -> Measurement:
@@ -116,10 +118,13 @@ def _ratio(num_variant: str, den_variant: str, key: str, what: str, unit: str = 
         for v, vals in ((num_variant, num), (den_variant, den)):
             missing = [s for s in seeds if vals[s] is None]
             if missing:
-                return NotMeasurable(f"{v} has no {what} on seed(s) {', '.join(map(str, missing))}" + (" (target not reached)" if key == "time_to_target_s" else ""))
+                return NotMeasurable(
+                    f"{v} has no {what} on seed(s) {', '.join(map(str, missing))}" + (" (target not reached)" if key == "time_to_target_s" else "")
+                )
             if any(vals[s] <= 0 for s in seeds):
                 return NotMeasurable(f"{v}'s {what} is 0 on some seed (below the measurement's resolution)")
-        detail = f"{what}: {num_variant} {_mean([num[s] for s in seeds]) * scale:.4g}{unit}, {den_variant} {_mean([den[s] for s in seeds]) * scale:.4g}{unit} (means over seeds)"
+        num_mean, den_mean = _mean([num[s] for s in seeds]) * scale, _mean([den[s] for s in seeds]) * scale
+        detail = f"{what}: {num_variant} {num_mean:.4g}{unit}, {den_variant} {den_mean:.4g}{unit} (means over seeds)"
         return Measured({s: num[s] / den[s] for s in seeds}, detail)
 
     return measure
@@ -236,7 +241,11 @@ def _cell(text: str) -> str:
 def claims_markdown(results: Sequence[dict[str, Any]]) -> str:
     lines = ["| claim | paper | this testbed | verdict | reason |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append("| " + " | ".join(_cell(x) for x in (f"{r['statement']} ({r['claim']})", r["paper"], r["testbed"], f"**{r['verdict']}**", r["reason"])) + " |")
+        lines.append(
+            "| "
+            + " | ".join(_cell(x) for x in (f"{r['statement']} ({r['claim']})", r["paper"], r["testbed"], f"**{r['verdict']}**", r["reason"]))
+            + " |"
+        )
     lines += ["", "Sources of the paper's figures:", ""] + [f"- {r['claim']}: {r['source']}" for r in results]
     lines += ["", "Rule (tasks/claims.py): reproduced iff the value passes its threshold on every seed; "
               "not measurable here when the quantity does not exist in this run."]

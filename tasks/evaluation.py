@@ -63,11 +63,20 @@ def _eval_cache_key(context, inputs) -> str | None:
     ok, skipped = available_benchmarks(list(inputs["benchmarks"]), inputs["data_dir"])
     files = {b: file_sha256(_bench_file(b, inputs["data_dir"])) for b in ok}
     cfg: TrainConfig = inputs["cfg"]
-    blob = json.dumps({
-        "model": model_hash(model_dir), "heldout": file_sha256(cfg.data.heldout_path) if cfg.data.heldout_path else None,
-        "task": cfg.data.task, "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, cfg.torch_threads], "files": files, "skipped": sorted(skipped),
-        "limit": inputs["limit"], "bench_max_new_tokens": inputs["bench_max_new_tokens"], "out": str(Path(inputs["out_dir"]).resolve()),
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "model": model_hash(model_dir),
+            "heldout": file_sha256(cfg.data.heldout_path) if cfg.data.heldout_path else None,
+            "task": cfg.data.task,
+            "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, cfg.torch_threads],
+            "files": files,
+            "skipped": sorted(skipped),
+            "limit": inputs["limit"],
+            "bench_max_new_tokens": inputs["bench_max_new_tokens"],
+            "out": str(Path(inputs["out_dir"]).resolve()),
+        },
+        sort_keys=True,
+    )
     return "eval-" + hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -77,7 +86,9 @@ def _bench_file(name: str, data_dir: str) -> Path:
     return Path(resolve_local(name, data_dir))
 
 
-def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: str | None, limit: int | None, bench_max_new_tokens: int, out_dir: str) -> dict[str, Any]:
+def evaluate(
+    model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: str | None, limit: int | None, bench_max_new_tokens: int, out_dir: str
+) -> dict[str, Any]:
     """Plain function behind the task (also used by the overhead bench)."""
     import torch
 
@@ -96,7 +107,14 @@ def evaluate(model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: 
     if ok:
         from eval.runner import EvalConfig, run_eval
 
-        res = run_eval((model, tokenizer), ok, EvalConfig(max_new_tokens=bench_max_new_tokens, limit=limit), data_dir=data_dir, out_dir=out_dir, model_name=model_dir)
+        res = run_eval(
+            (model, tokenizer),
+            ok,
+            EvalConfig(max_new_tokens=bench_max_new_tokens, limit=limit),
+            data_dir=data_dir,
+            out_dir=out_dir,
+            model_name=model_dir,
+        )
         for bench, m in res["benchmarks"].items():
             for k, v in m.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -109,15 +109,23 @@ def parity_metrics(results: Sequence[ParityResult]) -> dict[str, float]:
 
 
 def report_markdown(results: Sequence[ParityResult], trend: Sequence[dict[str, Any]]) -> str:
-    lines = ["| candidate vs reference | metric | seeds | per-seed diff | mean | CI low | CI high | tolerance | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| candidate vs reference | metric | seeds | per-seed diff | mean | CI low | CI high | tolerance | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         lines.append(
             f"| {r.candidate} vs {r.reference} | {r.metric} | {len(r.seeds)} | {', '.join(f'{d:+.3f}' for d in r.diffs)} | "
             f"{r.mean_diff:+.3f} | {r.ci_low:+.3f} | {r.ci_high:+.3f} | {r.tolerance:.3f} | {'pass' if r.passed else 'FAIL'} |"
         )
     if trend:
-        lines += ["", "Earlier nightly runs (newest first):", "", "| started | parity | " + " | ".join(f"CI low vs {r.reference}" for r in results) + " |",
-                  "|---|---|" + "---|" * len(results)]
+        lines += [
+            "",
+            "Earlier nightly runs (newest first):",
+            "",
+            "| started | parity | " + " | ".join(f"CI low vs {r.reference}" for r in results) + " |",
+            "|---|---|" + "---|" * len(results),
+        ]
         for t in trend:
             lows = [t["ci_low"].get(r.reference) for r in results]
             lines.append(f"| {t['start']} | {t['parity']} | " + " | ".join("-" if v is None else f"{v:+.3f}" for v in lows) + " |")
@@ -141,13 +149,24 @@ def trend_verdict(results: Sequence[ParityResult], trend: Sequence[dict[str, Any
 
 
 @task(cache_policy=NO_CACHE)
-def decide_parity(records: list[dict[str, Any]], candidate: str, references: list[str], metric: str, tolerance: float, confidence: float, n_boot: int, smooth_frac: float) -> list[dict[str, Any]]:
+def decide_parity(
+    records: list[dict[str, Any]],
+    candidate: str,
+    references: list[str],
+    metric: str,
+    tolerance: float,
+    confidence: float,
+    n_boot: int,
+    smooth_frac: float,
+) -> list[dict[str, Any]]:
     """The parity decision per reference, as plain dicts."""
     return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
 
 
 @task(cache_policy=NO_CACHE)
-def earlier_nights(tracking_uri: str, experiment_id: str, current_run_id: str, candidate: str, references: list[str], n: int = 14) -> list[dict[str, Any]]:
+def earlier_nights(
+    tracking_uri: str, experiment_id: str, current_run_id: str, candidate: str, references: list[str], n: int = 14
+) -> list[dict[str, Any]]:
     """Earlier nightly parent runs of the experiment with the same candidate that reached a
     verdict (tag ``parity``), newest first, with their CI lower bounds."""
     from tasks.tracking import client_for

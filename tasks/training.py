@@ -175,7 +175,9 @@ def train_variant(
         return _train_locked(cfg, Path(run_dir), warmstart, tracking, system_metrics_interval_s, tracking_drain_s, log)
 
 
-def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: TrackingRef | None, system_metrics_interval_s: float, tracking_drain_s: float, log) -> RunRecord:
+def _train_locked(
+    cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: TrackingRef | None, system_metrics_interval_s: float, tracking_drain_s: float, log
+) -> RunRecord:
     name = f"{arm_name(cfg)} seed {cfg.rl.seed}"
     every = max(1, cfg.rl.steps // 10)
 
@@ -189,7 +191,9 @@ def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: Tr
     if tracking is not None:
         run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
         client = client_for(tracking.tracking_uri)
-        shipper = MlflowMetricLogger(client, run_id, skip_through_step=done, kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s)
+        shipper = MlflowMetricLogger(
+            client, run_id, skip_through_step=done, kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s
+        )
         logger = FanoutLogger(local, shipper)
         monitor = _start_system_metrics(run_id, tracking.tracking_uri, system_metrics_interval_s, done > 0, log)
     t0 = time.perf_counter()
@@ -228,7 +232,10 @@ def _train_locked(cfg: TrainConfig, rd: Path, warmstart: WarmStart, tracking: Tr
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
             client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
         if shipper.outages:
-            log.warning(f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; every metric was shipped afterwards")
+            log.warning(
+                f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; "
+                "every metric was shipped afterwards"
+            )
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result.variant,

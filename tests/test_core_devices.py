@@ -83,7 +83,7 @@ def test_build_model_places_weights_in_the_configured_dtype():
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     # Initialised in fp32 and then cast: the same starting point as the fp32 model, rounded.
     fp32, _ = build_model(config_from_dict({"model": {"name": "micro"}, "device": "cpu"}))
-    for (k, a), b in zip(model.state_dict().items(), fp32.state_dict().values()):
+    for (k, a), b in zip(model.state_dict().items(), fp32.state_dict().values(), strict=True):
         assert torch.equal(a, b.to(torch.bfloat16)), k
 
 
@@ -109,4 +109,4 @@ def test_bf16_rollout_and_train_step_keep_log_probs_and_losses_in_fp32():
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), variant
         assert metrics["policy/grad_norm"] > 0
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        assert any(not torch.equal(a, b) for a, b in zip(init.values(), model.state_dict().values())), variant
+        assert any(not torch.equal(a, b) for a, b in zip(init.values(), model.state_dict().values(), strict=True)), variant

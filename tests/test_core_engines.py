@@ -113,7 +113,7 @@ def test_build_engine_torch_holds_the_given_weights_and_version():
     other, _ = build_tiny_model("micro", WORDS, seed=1)
     engine = build_engine(policy, tok, clone_state(other), 7, cfg)
     assert engine.version == 7 and engine.model is not policy
-    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), other.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), other.state_dict().values(), strict=True))
 
 
 def test_behaviour_mismatch_measures_a_known_offset():

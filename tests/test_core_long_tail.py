@@ -29,7 +29,9 @@ def test_a_fraction_are_chains_with_golds_from_the_question_and_longer_answers()
         assert len(deltas) == 4 and int(r["gold"]) == start + sum(deltas) >= 0
         assert r["solution"].count("\n") == 4 and r["solution"].endswith(f"#### {r['gold']}")
         assert tok.unk_token_id not in tok(r["prompt"] + r["solution"])["input_ids"]  # same vocabulary
-    length = lambda rs: sum(len(tok(r["solution"])["input_ids"]) for r in rs) / len(rs)
+    def length(rs):
+        return sum(len(tok(r["solution"])["input_ids"]) for r in rs) / len(rs)
+
     assert length(chains) > 2.5 * length([r for r in rows if r not in chains])
 
 

@@ -41,9 +41,9 @@ def test_fused_on_the_cpu_and_the_same_update_as_torchs_loop():
         _grads(loop_params, k)
         fused.step()
         loop.step()
-    for a, b in zip(fused_params, loop_params):
+    for a, b in zip(fused_params, loop_params, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    moved = max((a - b).abs().max().item() for a, b in zip(fused_params, _params()))
+    moved = max((a - b).abs().max().item() for a, b in zip(fused_params, _params(), strict=True))
     assert moved > 1e-2  # five steps at lr 1e-2 moved the weights: the comparison is not of untouched tensors
 
 
@@ -65,7 +65,7 @@ def test_a_checkpoint_resumes_on_the_kernel_it_was_written_with(written_by, resu
     _grads(running_params, 0)
     running.step()
     with torch.no_grad():
-        for r, o in zip(resumed_params, running_params):
+        for r, o in zip(resumed_params, running_params, strict=True):
             r.copy_(o)
     resumed = adamw(resumed_params, 1e-2)
     resumed.load_state_dict(_saved(running))
@@ -75,4 +75,4 @@ def test_a_checkpoint_resumes_on_the_kernel_it_was_written_with(written_by, resu
         _grads(resumed_params, k)
         running.step()
         resumed.step()
-    assert all(torch.equal(a, b) for a, b in zip(running_params, resumed_params))
+    assert all(torch.equal(a, b) for a, b in zip(running_params, resumed_params, strict=True))

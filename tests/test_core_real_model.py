@@ -32,10 +32,14 @@ ROWS = [
 ]
 # The chat rendering of each question: [question + newline + instruction], then the opened turn.
 CHAT_PROMPTS = {
-    "Amy has 3 pens. How many pens does Amy have?": "[Amy has 3 pens. How many pens does Amy have?\nAnswer with ####.] Answer: ",
-    "Ben has 4 cups and buys 2. How many cups does Ben have?": "[Ben has 4 cups and buys 2. How many cups does Ben have?\nAnswer with ####.] Answer: ",
-    "Eva has 9 eggs. She gives away 8. How many eggs are left?": "[Eva has 9 eggs. She gives away 8. How many eggs are left?\nAnswer with ####.] Answer: ",
-    "Tom has 5 books and finds 1. How many books does Tom have?": "[Tom has 5 books and finds 1. How many books does Tom have?\nAnswer with ####.] Answer: ",
+    "Amy has 3 pens. How many pens does Amy have?":
+        "[Amy has 3 pens. How many pens does Amy have?\nAnswer with ####.] Answer: ",
+    "Ben has 4 cups and buys 2. How many cups does Ben have?":
+        "[Ben has 4 cups and buys 2. How many cups does Ben have?\nAnswer with ####.] Answer: ",
+    "Eva has 9 eggs. She gives away 8. How many eggs are left?":
+        "[Eva has 9 eggs. She gives away 8. How many eggs are left?\nAnswer with ####.] Answer: ",
+    "Tom has 5 books and finds 1. How many books does Tom have?":
+        "[Tom has 5 books and finds 1. How many books does Tom have?\nAnswer with ####.] Answer: ",
 }
 
 

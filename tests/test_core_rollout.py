@@ -191,7 +191,9 @@ def test_weight_swap_between_steps_versions_and_logp_follow_the_new_weights():
     ctl_prompts = _prompts(tok, TEXTS)
     ctl = _EosControl(model, tok.eos_token_id, stop_at={}, n=3)  # no EOS: all 8 steps happen
     try:
-        engine, b = _gen(model, tok, ctl_prompts, SamplingParams(max_new_tokens=8), between_steps=lambda t: (ctl.between_steps(t), hook(t))[1], version=2)
+        engine, b = _gen(
+            model, tok, ctl_prompts, SamplingParams(max_new_tokens=8), between_steps=lambda t: (ctl.between_steps(t), hook(t))[1], version=2
+        )
     finally:
         ctl.handle.remove()
     P = b.prompt_len

@@ -45,9 +45,9 @@ def agreement(task, docs: list[dict]) -> tuple[int, list]:
         texts = [variants(d["answer"])[j][0] for d in docs]
         expected = [variants(d["answer"])[j][1] for d in docs]
         lm = lm_eval_bridge.lm_eval_item_scores(task, texts, "strict-match", docs=docs)
-        ours = [score("gsm8k", t, d["answer"]) for t, d in zip(texts, docs)]
+        ours = [score("gsm8k", t, d["answer"]) for t, d in zip(texts, docs, strict=True)]
         n += len(texts)
-        mismatches += [(j, t[-50:], e, a, b) for t, e, a, b in zip(texts, expected, lm, ours) if not e == a == b]
+        mismatches += [(j, t[-50:], e, a, b) for t, e, a, b in zip(texts, expected, lm, ours, strict=True) if not e == a == b]
     return n, mismatches
 
 

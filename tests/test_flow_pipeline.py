@@ -69,7 +69,14 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     for _, child in children.iterrows():
         steps = [m.step for m in client.get_metric_history(child["run_id"], "reward/mean")]
         assert steps == list(range(1, 7))  # every training step
-        for key in ("stability/trust_ratio_max", "stability/trust_ratio_clipped_frac", "staleness/mean", "perf/step_time_s", "perf/tokens_per_s", "time/train_wall_s"):
+        for key in (
+            "stability/trust_ratio_max",
+            "stability/trust_ratio_clipped_frac",
+            "staleness/mean",
+            "perf/step_time_s",
+            "perf/tokens_per_s",
+            "time/train_wall_s",
+        ):
             assert len(client.get_metric_history(child["run_id"], key)) == 6, key
         acc = [(m.step, m.value) for m in client.get_metric_history(child["run_id"], "eval/heldout_acc")]
         assert [s for s, _ in acc] == [0, 2, 4, 6]  # warm start, then every eval_every=2 steps
@@ -91,8 +98,15 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         assert any(k.startswith("system/") for k in client.get_run(child["run_id"]).data.metrics)
     assert children["tags.a3po.run_dir"].map(lambda d: (Path(d) / "checkpoints" / "latest").exists()).all()
 
-    assert {"comparison.md", "comparison.csv", "reward_curves.png", "stability.png", "summary.json"} <= {a.path for a in client.list_artifacts(parent["run_id"])}
-    for key in ("speedup/loglinear_vs_sync/step_time", "speedup/loglinear_vs_recompute/step_time", "delta/loglinear_vs_recompute/final_reward", "summary/loglinear/final_acc"):
+    assert {"comparison.md", "comparison.csv", "reward_curves.png", "stability.png", "summary.json"} <= {
+        a.path for a in client.list_artifacts(parent["run_id"])
+    }
+    for key in (
+        "speedup/loglinear_vs_sync/step_time",
+        "speedup/loglinear_vs_recompute/step_time",
+        "delta/loglinear_vs_recompute/final_reward",
+        "summary/loglinear/final_acc",
+    ):
         assert key in client.get_run(parent["run_id"]).data.metrics, key
     assert "| loglinear |" in res["summary"]["table_md"]
 
@@ -100,7 +114,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     # cache and the finished runs resume at their last step instead of retraining.
     again = compare_variants(**kw)
     assert [r["resumed_from"] for r in again["runs"]] == [6, 6, 6]
-    for r1, r2 in zip(res["runs"], again["runs"]):
+    for r1, r2 in zip(res["runs"], again["runs"], strict=True):
         assert Path(r1["history_path"]).read_text() == Path(r2["history_path"]).read_text()
     runs = _search(uri, "e2e")
     second = runs[runs["tags.mlflow.parentRunId"] == again["parent_run_id"]]

@@ -101,7 +101,7 @@ def test_loglinear_runs_no_forward_for_prox_on_cuda():
         cfg = RLConfig(variant=variant, batch_prompts=4, group_size=2, minibatches=2, max_new_tokens=8, temperature=1.0)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         calls = []
-        handle = model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        handle = model.register_forward_pre_hook(lambda mod, args, kwargs, calls=calls: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
         try:
             metrics = train_step(model, opt, scored, 2, cfg, PROXIMAL_METHODS.get(proximal_method_name(cfg)))
         finally:
@@ -129,7 +129,7 @@ def test_each_variant_trains_on_cuda_through_the_controller(variant, dtype, tmp_
         assert max(m["staleness/max"] for m in result.history) >= 1
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     assert {p.dtype for p in model.parameters()} == {DTYPES[dtype]}
-    assert any(not torch.equal(a, b) for a, b in zip(init.values(), model.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(init.values(), model.state_dict().values(), strict=True))
     assert result.checkpoint is not None
 
 

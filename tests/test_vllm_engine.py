@@ -101,7 +101,7 @@ def test_after_a_weight_update_greedy_outputs_match_the_trainers_model(setup):
     model.load_state_dict(v1)
     after = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, greedy).responses
     assert after != before  # the update changes the greedy answers, so agreement below means it was loaded
-    same = sum(a == b for a, b in zip(batch.responses, after))
+    same = sum(a == b for a, b in zip(batch.responses, after, strict=True))
     print(f"\ngreedy after the update to v1: {same}/{len(prompts)} rows identical to the trainer's model")
     assert same == len(prompts)
     assert batch.versions[batch.response_mask].eq(1).all()

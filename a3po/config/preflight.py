@@ -51,7 +51,9 @@ def read_deepspeed_json(path: str | Path, grad_clip: float) -> dict[str, Any]:
             raise ConfigError(f"{p}: '{key}' is derived from rl.batch_prompts x rl.group_size / rl.minibatches and the world size; remove it")
     for key in _OWNED_KEYS:
         if key in ds:
-            raise ConfigError(f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule a3po.training.lr_schedule.learning_rate); remove it")
+            raise ConfigError(
+                f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule a3po.training.lr_schedule.learning_rate); remove it"
+            )
     for key in ("zero_optimization", "fp16", "bf16"):
         if not isinstance(ds.get(key, {}), dict):
             raise ConfigError(f"{p}: '{key}' must be a JSON object, got {json.dumps(ds[key])[:80]}")
