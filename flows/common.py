@@ -21,13 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from a3po.config import TrainConfig, config_to_dict, merge_yaml, with_overrides
 from a3po.config import preset as load_preset
+from a3po.redact import mask_uri
 from a3po.storage.runlock import hold_run_folder
 from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 from infra.launch import LaunchSpec, launch_spec
 from tasks.arms import arm_config, arm_name, parse_arm
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.links import tag_run_links
-from tasks.runtime import default_tracking_uri, mask_uri
+from tasks.runtime import default_tracking_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, close_parent_run_quietly, open_parent_run, probe_tracking
 from tasks.training import run_dir_for, topology_tags, warm_start, warmstart_ready

@@ -37,13 +37,13 @@ from pydantic import Field
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import TrainConfig, Variant, preflight
+from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
 from infra.launch import launch_spec
 from tasks.arms import OPPO_MODES, arm_name, expand_arms
 from tasks.evaluation import BENCHMARKS
 from tasks.links import RunLinks
-from tasks.runtime import mask_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import TrackingRef, log_to_parent
 from tasks.training import launch_for_config

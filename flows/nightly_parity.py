@@ -34,12 +34,12 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
+from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
 from tasks.arms import arm_config, arm_name
 from tasks.links import RunLinks
 from tasks.parity import METRICS, ParityResult, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
-from tasks.runtime import mask_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
 from tasks.training import launch_for_config

@@ -28,11 +28,11 @@ from pydantic import Field
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import Variant
+from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
 from tasks.claims import report_claims
 from tasks.links import RunLinks
-from tasks.runtime import mask_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
 from tasks.training import launch_for_config

@@ -28,10 +28,10 @@ from prefect.runtime import flow_run
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import TrainConfig, config_from_dict
+from a3po.redact import MASK, mask_uri
 from a3po.storage.checkpoint import atomic_write_text
 from infra.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.evaluation import evaluate_checkpoint
-from tasks.runtime import MASK, mask_uri
 from tasks.tracking import TrackingRef, log_evaluation
 from tasks.training import WarmStart, launch_for_config, train_launched, train_variant
 

@@ -191,7 +191,7 @@ CLAIMS: tuple[Claim, ...] = (
           "max behaviour IW over the run, loglinear / recompute", "x",
           _ratio("loglinear", "recompute", "behav_iw_max", "max behaviour IW"), Rule("<", 1.0)),
     Claim("clipped_tokens", "A-3PO clips the fewest tokens",
-          "qualitative, as issue 10 reads the paper; no figure found in the abstract, blog or AReaL docs", f"{PAPER} (per issue 10)",
+          "qualitative, as we read the paper; no figure found in the abstract, blog or AReaL docs", f"{PAPER} (our reading)",
           "clipped-token fraction, loglinear - fewest of the other variants", "",
           _clipped_vs_fewest_other, Rule("<=", 0.0)),
 )

@@ -25,7 +25,8 @@ from urllib.parse import quote
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.runtime import mask_uri, run_logger
+from a3po.redact import mask_uri
+from tasks.runtime import run_logger
 from tasks.tracking import TrackingRef, client_for
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 # Telemetry off and quiet model loading; none of these change results.
 OFFLINE_DEFAULTS = {
@@ -58,34 +56,6 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     """The file behind a ``sqlite:///`` URI, None for other stores."""
     prefix = "sqlite:///"
     return Path(tracking_uri[len(prefix):]) if tracking_uri.startswith(prefix) else None
-
-
-MASK = "***"
-# Query parameters that carry a secret (libpq's password / sslpassword, tokens, keys, signatures):
-# matched anywhere in the name, case-insensitively (``sslpassword``, ``api_key``, ``X-Amz-Signature``).
-SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|auth|credential|signature", re.IGNORECASE)
-
-
-def mask_uri(uri: str) -> str:
-    """``uri`` as shown to people (printed, logged, tagged): the userinfo password and the values
-    of secret-carrying query parameters replaced by ``***``; the rest kept as written.
-
-    ``postgresql://u:pw@h/db?sslmode=require&password=pw`` -> ``postgresql://u:***@h/db?sslmode=require&password=***``"""
-    parts = urlsplit(uri)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")  # a password may itself contain '@'
-        user, sep, _ = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{host}" if sep else netloc
-    query = "&".join(_mask_param(p) for p in parts.query.split("&")) if parts.query else parts.query
-    if (netloc, query) == (parts.netloc, parts.query):
-        return uri  # untouched, byte for byte (urlunsplit may normalise an empty query or fragment)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def _mask_param(param: str) -> str:
-    name, sep, value = param.partition("=")
-    return f"{name}={MASK}" if sep and value and SECRET_PARAM.search(name) else param
 
 
 def run_logger():

@@ -38,9 +38,10 @@ from urllib.parse import urlsplit
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from a3po.redact import mask_uri
 from a3po.storage.runlock import in_use_by_another
 from a3po.training.metrics import valid_metric_key
-from tasks.runtime import mask_uri, run_logger, sqlite_path
+from tasks.runtime import run_logger, sqlite_path
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 MAX_PARAMS_PER_BATCH = 100

@@ -1,4 +1,4 @@
-"""Each variant learns on the embedded preset: the issue's convergence check, end to end.
+"""Each variant learns on the embedded preset: the convergence check (+0.15 held-out accuracy per variant), end to end.
 
 Runs the documented command ``a3po train --variant V --preset tiny --seed 0`` for the three
 variants (one shared warm start) and reads each run's JSON line. Slow tier: ~6 min on 2 cores.

@@ -95,6 +95,26 @@ def test_second_writer_is_refused_naming_the_holder_and_a_killed_holder_is_taken
     assert len(notes) == 1
 
 
+def test_the_lock_record_and_the_busy_error_never_show_a_store_password(tmp_path):
+    """A holder started with ``--tracking-uri`` carrying a password (userinfo and query string):
+    the lock file, and the error another writer gets, show the command with the secrets masked."""
+    folder = tmp_path / "run"
+    uri = "postgresql://a3po:s3cret@db.example/mlflow?sslmode=require&password=s3cret"
+    holder = subprocess.Popen([PY, "-c", HOLDER, str(folder), f"--tracking-uri={uri}", "--store", uri],
+                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderBusy) as err:
+            acquire(folder)
+        record = (folder / LOCK_NAME).read_text()
+        for shown in (record, str(err.value)):
+            assert "s3cret" not in shown
+            # the rest of the command stays readable: user, host, the other query parameter
+            assert shown.count("postgresql://a3po:***@db.example/mlflow?sslmode=require&password=***") == 2
+    finally:
+        _sigkill(holder)
+
+
 # --- 2. superseding leftovers only ----------------------------------------------------------
 
 

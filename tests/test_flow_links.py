@@ -11,8 +11,8 @@ from urllib.parse import parse_qs, unquote
 
 import pytest
 
+from a3po.redact import mask_uri
 from tasks.links import TAG_COMPARE, TAG_PARENT, TAG_UI_COMMAND, run_links, tag_run_links
-from tasks.runtime import mask_uri
 from tasks.tracking import TrackingRef, client_for, create_run, ensure_experiment
 
 

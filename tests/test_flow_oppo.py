@@ -1,4 +1,4 @@
-"""OPPO as an axis of the comparison flow (tasks.arms; issue 11 item 4), through a real Prefect
+"""OPPO as an axis of the comparison flow (tasks.arms), through a real Prefect
 run and a real MLflow store (SQLite in tmp_path), micro preset on the PPO path.
 
 1. Arms: names, modes and refusals (pure, no flow).

@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+from a3po.redact import mask_command
+
 LOCK_NAME = ".a3po.lock"
 
 _held: dict[Path, list] = {}  # folder -> [fd, depth]: the locks this process holds
@@ -44,7 +46,7 @@ def _record() -> dict:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(mask_command([sys.executable, *sys.argv])),  # no store password in the lock file or errors
     }
 
 
