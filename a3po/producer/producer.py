@@ -210,17 +210,23 @@ class RolloutProducer(threading.Thread):
         stream = {"on_token": self.stream.begin(prompts, self.engine.version)} if self.stream is not None else {}
         rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
         streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
-        if self.stream is not None:  # e.g. a chunk-size tuner: producing time per generated token
-            n_gen = int(rollout.response_mask.sum())
-            self.stream.record(time.perf_counter() - t0, n_gen, n_gen / len(rollout))
-        checks = self.check(rollout) if self.check is not None else {}  # e.g. the engine's log-prob mismatch (rollout/*)
-        return self._score(j, rollout, t0, streamed, {**checks, **stream_metrics})
+        scored = self._score(j, rollout, t0, streamed, stream_metrics, record_stream=True)
+        if self.check is not None:  # e.g. the engine's log-prob mismatch (rollout/*); not part of the producing time
+            scored.metrics.update(self.check(rollout))
+        return scored
 
-    def _score(self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float]) -> ScoredBatch:
+    def _score(
+        self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float], record_stream: bool = False
+    ) -> ScoredBatch:
         """The shared tail: decode, grade, and pack batch ``j``; its ``gen_time_s`` runs from ``t0``
-        (generation began) to graded."""
+        (generation began) to graded, and ``perf/score_s`` is the grading part of it. With
+        ``record_stream`` the stream hook (e.g. a chunk-size tuner) is told the producing time per
+        generated token: generation and decoding, ``gen_time_s - perf/score_s``."""
         completions = [self.decode(r) for r in rollout.responses]
         t1 = time.perf_counter()
+        if record_stream and self.stream is not None:
+            n_gen = int(rollout.response_mask.sum())
+            self.stream.record(t1 - t0, n_gen, n_gen / len(rollout))
         with grader_counts() as grader:
             rewards = torch.tensor(self.score(completions, rollout.meta), dtype=torch.float32, device=rollout.input_ids.device)
         t2 = time.perf_counter()
