@@ -166,6 +166,22 @@ def _last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def test_a3po_train_is_refused_while_another_process_holds_its_run_folder(tmp_path):
+    """The fast form of the next test: `a3po train` on a run folder another live process holds
+    exits non-zero naming the holder, before writing anything into the folder."""
+    out = tmp_path / "out"
+    run_dir = out / "loglinear-seed0"
+    holder = _hold_in_subprocess(run_dir)
+    try:
+        refused = subprocess.run(_train_cmd(out, 5, 0), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert refused.returncode != 0 and f"pid {holder.pid}" in refused.stderr and f"command: {PY} -c {run_dir}" in refused.stderr, refused.stderr
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]  # no checkpoint, metrics or model written
+        assert holder.poll() is None  # still the holder
+    finally:
+        _sigkill(holder)
+
+
+@pytest.mark.slow  # ~80 s: a real run holds the folder to the end; the refusal itself is checked fast above
 def test_two_a3po_trains_on_one_folder(tmp_path):
     out = tmp_path / "out"
     # Seed 0: the first run completes untouched while a second one is refused.
