@@ -8,8 +8,6 @@ same weights and pays for it once.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -23,6 +21,7 @@ from a3po.models.factory import load_model, load_pretrained
 from a3po.parallel.ranks import init_ranks
 from a3po.parallel.updaters import plain_model
 from a3po.placement.rollout_workers import serve_rollouts
+from a3po.storage.atomic import replace_dir
 from a3po.training.heldout import evaluate_heldout
 from a3po.training.loop import TrainResult, checked_rollout_inputs, rl_train
 from a3po.training.metrics import MetricLogger
@@ -42,15 +41,7 @@ def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+    return replace_dir(tmp, out_dir)
 
 
 def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[str], None] = print) -> tuple[Path, float]:
