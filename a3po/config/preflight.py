@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from a3po.catalog import ROLLOUT_ENGINE_NAMES
+from a3po.catalog import MODEL_SOURCE_NAMES, ROLLOUT_ENGINE_NAMES
 from a3po.config.schema import ConfigError, TrainConfig
 
 INSTALL_HINT = "pip install -e '.[distributed]'"
@@ -73,9 +73,14 @@ def zero_stage(ds: Mapping[str, Any]) -> int:
 
 
 def preflight(cfg: TrainConfig) -> TrainConfig:
-    """``cfg``, once what it needs here is present: the rollout engine's package, DeepSpeed and a
-    DeepSpeed JSON the trainer accepts; else :class:`ConfigError` saying what is missing and how
+    """``cfg``, once what it needs here is present: a named model's package, the rollout engine's
+    package, DeepSpeed and a DeepSpeed JSON the trainer accepts; else :class:`ConfigError` saying what is missing and how
     to install it."""
+    if cfg.model.name in MODEL_SOURCE_NAMES:
+        source = MODEL_SOURCE_NAMES.get(cfg.model.name)
+        missing = [m for m in source.needs_modules if not module_available(m)]
+        if missing:
+            raise ConfigError(f"model.name {source.name!r} needs {', '.join(missing)}, which is not installed: {source.install_hint}")
     engine = ROLLOUT_ENGINE_NAMES.get(cfg.rollout.engine)
     if engine.needs_module is not None and not module_available(engine.needs_module):
         raise ConfigError(f"rollout.engine {engine.name!r}: {engine.label} is not installed; {engine.install_hint}")

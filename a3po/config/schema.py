@@ -82,13 +82,14 @@ class ArithmeticDifficulty:
 class ModelConfig:
     name: str = "tiny"
     """A built-in architecture (micro, tiny, small: built from a Qwen2 config with the in-code
-    tokenizer) or a local path / hub name of any causal LM."""
+    tokenizer), a named pretrained model (``smollm2-135m-instruct``: see
+    :data:`a3po.catalog.MODEL_SOURCE_NAMES`) or a local path / hub name of any causal LM."""
     init_seed: int = 0
     """Seed of the random initialisation of built-in architectures."""
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("model.name must be a built-in architecture, a directory or a hub name, got ''")
+            raise ValueError("model.name must be a built-in architecture, a named model, a directory or a hub name, got ''")
         if not _seed_ok(self.init_seed):
             raise ValueError(f"model.init_seed must be in [0, {MAX_SEED}], got {self.init_seed}")
 

@@ -1,6 +1,7 @@
 """One factory for policy models: a tiny causal LM built from a transformers config (Qwen2
-architecture) with the in-code tokenizer, or any causal LM and tokenizer loaded from a local
-path or hub name. The training and rollout code is the same for both."""
+architecture) with the in-code tokenizer, a named pretrained model built from an installed
+package (:mod:`a3po.models.sources`, e.g. ``smollm2-135m-instruct``), or any causal LM and
+tokenizer loaded from a local path or hub name. The training and rollout code is the same for all."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from transformers import (
 )
 
 from a3po.data.arithmetic import WORDS
+from a3po.models.sources import MODEL_SOURCES
 from a3po.models.tokenizer import build_tokenizer
 
 
@@ -79,9 +81,12 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` for a model name as configs and command lines give it: a built-in
     size (:data:`TINY_ARCHS`, randomly initialised from ``seed`` over the embedded task's
-    vocabulary) or a local path / hub name of any causal LM."""
+    vocabulary), a named model source (:data:`a3po.models.sources.MODEL_SOURCES`, converted
+    into its cache folder on first use) or a local path / hub name of any causal LM."""
     if str(name) in TINY_ARCHS:
         return build_tiny_model(str(name), WORDS, seed=seed, device=device, dtype=dtype)
+    if str(name) in MODEL_SOURCES:
+        return load_pretrained(MODEL_SOURCES.get(str(name)).folder(), dtype=dtype, device=device)
     return load_pretrained(name, dtype=dtype, device=device)
 
 
@@ -89,6 +94,8 @@ def load_tokenizer(name: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of :func:`load_model` without loading the model's weights."""
     if str(name) in TINY_ARCHS:
         return build_tokenizer(WORDS)
+    if str(name) in MODEL_SOURCES:
+        return _load_tokenizer(str(MODEL_SOURCES.get(str(name)).folder()))
     return _load_tokenizer(_source(name))
 
 
