@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from a3po.storage.atomic import atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
+from a3po.storage.atomic import atomic_write_bytes, atomic_write_text, fsync_dir, replace_dir  # noqa: F401  (re-exported)
 
 FORMAT = "a3po-checkpoint/2"
 MANIFEST = "manifest.json"
@@ -172,16 +172,8 @@ def commit_step(ckpt_dir: str | Path, step: int, files: dict[str, str], keep: in
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(pending)
-    final = ckpt_dir / step_dir_name(step)
-    if final.exists():  # a damaged folder of this step, skipped at resume: replace it
-        aside = ckpt_dir / f".{final.name}.replaced"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-        os.replace(pending, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(pending, final)
-    fsync_dir(ckpt_dir)
+    # A damaged folder of this step (skipped at resume) is replaced; the rename fsyncs ckpt_dir.
+    final = replace_dir(pending, ckpt_dir / step_dir_name(step))
     atomic_write_text(ckpt_dir / "latest", json.dumps({"step": step, "dir": final.name, "note": "a hint; resume scans the step folders"}))
     if keep is not None:
         _prune(ckpt_dir, step, keep)
