@@ -65,7 +65,13 @@ def easy_dataset(tmp_path_factory) -> str:
     return str(d)
 
 
-def _nightly(tmp, dataset, seeds, references, tolerance, planted: bool, output="out"):
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory) -> str:
+    """One warm-start cache for the module: every night here starts from the same warm start."""
+    return str(tmp_path_factory.mktemp("warm-cache"))
+
+
+def _nightly(tmp, dataset, seeds, references, tolerance, planted: bool, cache: str, output="out"):
     from flows.nightly_parity import nightly_parity
 
     return nightly_parity(
@@ -73,7 +79,7 @@ def _nightly(tmp, dataset, seeds, references, tolerance, planted: bool, output="
         overrides={**SETTING, "data": {"train_path": f"{dataset}/train.jsonl", "heldout_path": f"{dataset}/heldout.jsonl"}},
         variant_overrides={"loglinear": {"advantage": PLANTED}} if planted else None,
         tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}", experiment="nightly", output_dir=str(tmp / output),
-        cache_dir=str(tmp / "cache"),
+        cache_dir=cache,
     )
 
 
@@ -88,14 +94,14 @@ def _check(res, verdict: str, uri: str):
     assert parent.data.metrics["parity/pass"] == float(verdict == "pass")
 
 
-def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp_path, easy_dataset):
+def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp_path, easy_dataset, warm_cache):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    healthy = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=False)
+    healthy = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=False, cache=warm_cache)
     _check(healthy, "pass", uri)
     (h,) = healthy["results"]
     assert all(abs(d) < 0.15 for d in h["diffs"]), h
 
-    planted = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=True)
+    planted = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=True, cache=warm_cache)
     _check(planted, "fail", uri)
     (p,) = planted["results"]
     assert p["ci_high"] < -0.15 and all(d < -0.15 for d in p["diffs"]), p
@@ -107,7 +113,7 @@ def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp
     assert Path(planted["output_dir"], "summary", "parity.md").read_text().startswith("# Nightly parity: fail")
 
 
-def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, easy_dataset, capsys):
+def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, easy_dataset, warm_cache, capsys):
     """The __main__ path: exit status 1 and the JSON line last. Same runs as the planted night
     of the test above, computed afresh here in its own directory (K = 1 to keep it short)."""
     from flows.nightly_parity import main
@@ -115,7 +121,7 @@ def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, eas
     sets = [f"{sec}.{k}={v}" for sec, kv in SETTING.items() for k, v in kv.items()]
     sets += [f"data.train_path={easy_dataset}/train.jsonl", f"data.heldout_path={easy_dataset}/heldout.jsonl", f"loglinear:rl.advantage={PLANTED}"]
     argv = ["--preset", "micro", "--seeds", "0", "--references", "recompute", "--tolerance", "0.15", "--smooth-frac", "0.5",
-            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--output-dir", str(tmp_path / "out")]
+            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--output-dir", str(tmp_path / "out"), "--cache-dir", warm_cache]
     for item in sets:
         argv += ["--set", item]
     assert main(argv) == 1
@@ -125,10 +131,10 @@ def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, eas
 
 
 @pytest.mark.slow
-def test_nightly_parity_three_seeds_both_references(prefect_server, tmp_path, easy_dataset):
+def test_nightly_parity_three_seeds_both_references(prefect_server, tmp_path, easy_dataset, warm_cache):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    healthy = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=False)
+    healthy = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=False, cache=warm_cache)
     _check(healthy, "pass", uri)
-    planted = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=True)
+    planted = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=True, cache=warm_cache)
     _check(planted, "fail", uri)
     assert all(not r["passed"] and r["ci_low"] < -0.2 for r in planted["results"]), planted["report_md"]
