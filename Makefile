@@ -99,22 +99,22 @@ setup-vllm: $(VLLM_VENV)/vllm-env.sh
 test-vllm: setup-vllm
 	. $(VLLM_VENV)/vllm-env.sh && $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s
 
-# CPU torch first, as for .venv, then the project with the extra that pins TRL.
+# A peer-baseline venv ($(1)): CPU torch first, as for .venv, then the project with the extra ($(2)) that pins TRL.
+define peer_venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install -q --upgrade pip
+$(1)/bin/python -m pip install -q "$(TORCH_SPEC)"
+$(1)/bin/python -m pip install -q -e ".[$(2)]"
+touch $(1)/.installed
+endef
+
 $(TRL_VENV)/.installed: pyproject.toml
-	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TRL_VENV)/bin/python -m pip install -q -e ".[bench]"
-	touch $@
+	$(call peer_venv,$(TRL_VENV),bench)
 
 setup-trl: $(TRL_VENV)/.installed
 
 $(TRL_PPO_VENV)/.installed: pyproject.toml
-	test -x $(TRL_PPO_VENV)/bin/python || $(PYTHON) -m venv $(TRL_PPO_VENV)
-	$(TRL_PPO_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_PPO_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TRL_PPO_VENV)/bin/python -m pip install -q -e ".[bench-ppo]"
-	touch $@
+	$(call peer_venv,$(TRL_PPO_VENV),bench-ppo)
 
 setup-trl-ppo: $(TRL_PPO_VENV)/.installed
 
