@@ -51,8 +51,8 @@ from a3po.config import TrainConfig, Variant, preset, with_overrides
 from a3po.data.datasets import load_rows, prompt_style
 from a3po.grading.rewards import score_completions
 from a3po.models.factory import load_pretrained
+from a3po.placement.cores import usable_cores
 from a3po.training.run import prepare_warmstart, train_variant
-from a3po.training.threads import usable_cores
 from bench._peer_venvs import TRL
 
 UPDATES_PER_BATCH = 4
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
         rows[v] = {**project_side(cfg, v, ws_dir, ws_acc, out), "rollout_workers": 0}
         # A synchronous run's producer idles while the trainer trains: a worker process would only
-        # take the second core from the update (a3po.training.threads).
+        # take the second core from the update (a3po.placement.cores).
         if args.rollout_workers and Variant(v).is_async:
             rows[f"{v}+{args.rollout_workers}w"] = launched_side(args, v, args.rollout_workers, ws_dir, ws_acc, out)
     for r in rows.values() if trl else ():

@@ -86,9 +86,9 @@ from a3po.config import TrainConfig
 from a3po.data.datasets import prompt_style
 from a3po.grading.rewards import score_completions
 from a3po.models.critic import build_critic, frozen_copy, load_reward_model
+from a3po.placement.cores import usable_cores
 from a3po.producer.producer import PromptSampler
 from a3po.training.lr_schedule import learning_rate
-from a3po.training.threads import usable_cores
 from bench._peer_venvs import TRL_PPO
 from bench._ppo_workload import parse_args, setting_config, setting_model
 

@@ -70,7 +70,10 @@ def config_hash(cfg: TrainConfig) -> str:
     """Hash of everything that determines a run (the output dir aside)."""
     d = config_to_dict(cfg)
     d.pop("output_dir", None)
-    d.pop("update_threads", None)  # results do not depend on it (a3po.training.threads); run folders keep their names
+    d.pop("update_threads", None)  # results do not depend on it (a3po.placement.cores); run folders keep their names
+    for key, section in (("generate_threads", d), ("rollout_cores", d.get("distributed", {}))):
+        if not section.get(key):  # fields added later: at their default, the folders of earlier runs keep their names
+            section.pop(key, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 

@@ -1,16 +1,29 @@
-"""Intra-op threads of the training update (:mod:`a3po.training.threads`): which runs give it every core,
+"""Intra-op threads of the training update (:mod:`a3po.placement.cores`): which runs give it every core,
 the torch behaviour that rests on (a thread's count is its own; a new thread takes the count last
 set when it runs its first op), and that an update gives the same bits on more threads."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 
 import pytest
 import torch
 
 from a3po.config import preset, with_overrides
-from a3po.training.threads import intra_op_threads, producer_and_trainer_alternate, update_threads, usable_cores
+from a3po.parallel.ranks import Ranks
+from a3po.placement.cores import (
+    core_slices,
+    generate_threads,
+    local_roles,
+    own_cores,
+    producer_and_trainer_alternate,
+    update_threads,
+    usable_core_ids,
+    usable_cores,
+)
+from a3po.training.threads import intra_op_threads
 
 
 def _cfg(variant: str, **sections):
@@ -29,8 +42,9 @@ def test_sync_in_one_process_trains_on_every_core_async_variants_keep_torch_thre
 
 
 def test_thread_counts_are_checked_when_the_config_is_built():
-    with pytest.raises(ValueError, match="update_threads >= 0"):
-        _cfg("sync", update_threads=-1)
+    for field in ("update_threads", "generate_threads"):
+        with pytest.raises(ValueError, match="update_threads and generate_threads >= 0"):
+            _cfg("sync", **{field: -1})
 
 
 def test_sync_with_other_processes_on_the_machine_keeps_torch_threads():
@@ -109,3 +123,63 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
     assert all(torch.equal(w1[k], wn[k]) for k in w1)
     assert m1 == mn
 
+
+
+# --- the placements' core ownership (a3po.placement.cores) ---------------------------------------
+
+
+def test_sync_in_one_process_generates_on_every_core_too():
+    assert generate_threads(_cfg("sync")) == usable_cores()
+    assert generate_threads(_cfg("sync", generate_threads=1)) == 1
+    assert generate_threads(_cfg("loglinear", generate_threads=3)) == 1  # overlapping: torch_threads
+    assert generate_threads(_cfg("sync", distributed={"rollout_workers": 1})) == 1  # the worker generates elsewhere
+
+
+def test_core_slices_give_workers_the_top_cores_and_trainers_the_rest():
+    # 1 trainer + 1 worker on cores 0..3, 1 core per worker: the worker takes core 3.
+    assert core_slices([0, 1, 2, 3], [False, True], 1) == [(0, 1, 2), (3,)]
+    # 2 trainers + 2 workers of 2 cores on 8 cores (listed unsorted): workers 7-6 and 5-4, trainers split 0..3.
+    assert core_slices([7, 6, 5, 4, 3, 2, 1, 0], [False, False, True, True], 2) == [(0, 1), (2, 3), (6, 7), (4, 5)]
+    # 2 trainers over 3 cores left: one each, the odd core unused so the ranks are alike.
+    assert core_slices([0, 1, 2, 3, 4], [False, False, True], 2) == [(0,), (1,), (3, 4)]
+    # A node of workers only (trainers on another node).
+    assert core_slices([0, 1], [True, True], 1) == [(1,), (0,)]
+
+
+def test_core_slices_refuse_a_role_without_a_core():
+    with pytest.raises(ValueError, match="rollout_cores 2: 1 rollout worker.*need 3 cores.*may use 2"):
+        core_slices([0, 1], [False, True], 2)
+    with pytest.raises(ValueError, match="2 trainer rank"):
+        core_slices([0, 1], [False, False, True], 1)
+
+
+def test_local_roles_follow_torchrun_rank_blocks():
+    # 2 nodes of 2 processes, 3 trainer ranks + 1 worker: node 1 holds ranks 2 (trainer) and 3 (worker).
+    ranks = Ranks(rank=3, world_size=3, local_rank=1, rollout_workers=1)
+    assert local_roles(ranks, {"LOCAL_WORLD_SIZE": "2"}) == [False, True]
+    assert local_roles(Ranks(rank=0, world_size=1, local_rank=0, rollout_workers=2), {}) == [False, True, True]
+
+
+def test_rollout_cores_need_a_rollout_worker():
+    with pytest.raises(ValueError, match="rollout_cores is set but distributed.rollout_workers is 0"):
+        _cfg("sync", distributed={"rollout_cores": 1})
+    assert _cfg("sync", distributed={"rollout_workers": 1, "rollout_cores": 1}).distributed.rollout_cores == 1
+
+
+def _pinned_child(conn) -> None:
+    ranks = Ranks(rank=1, world_size=1, local_rank=1, rollout_workers=1)
+    cfg = _cfg("loglinear", distributed={"rollout_workers": 1, "rollout_cores": 1})
+    mine = own_cores(cfg, ranks, {"LOCAL_WORLD_SIZE": "2"})
+    conn.send((mine, sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or usable_cores() < 2, reason="needs CPU affinity and 2 cores")
+def test_a_rollout_worker_pins_itself_to_its_cores():
+    ctx = multiprocessing.get_context("spawn")  # a fresh process: the test's own affinity stays as it is
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_pinned_child, args=(child,))
+    p.start()
+    mine, mask = parent.recv()
+    p.join(30)
+    top = usable_core_ids()[-1]
+    assert mine == (top,) and mask == [top]

@@ -365,12 +365,21 @@ class DistributedConfig:
     their own (other GPUs or nodes), the last N of the launch (``torchrun --nproc_per_node N+1``:
     rank 0 trains, ranks 1..N generate; see ``a3po.placement.rollout_workers``). Same samples either way under
     ``rl.schedule: deterministic``. One trainer rank, without DeepSpeed, for now."""
+    rollout_cores: int = 0
+    """Cores each rollout worker process owns: it pins itself to them (CPU affinity) and computes on
+    as many threads; the trainer rank(s) on the node own the rest (``a3po.placement.cores``).
+    0: nothing pinned, every process may use every core (``torch_threads`` each)."""
 
     def __post_init__(self) -> None:
         if self.deepspeed_config == "":
             raise ValueError("distributed.deepspeed_config is '': give a JSON file, or null for one plain torch process")
         if self.rollout_workers < 0:
             raise ValueError(f"distributed.rollout_workers must be >= 0, got {self.rollout_workers}")
+        if not 0 <= self.rollout_cores <= MAX_THREADS:
+            raise ValueError(f"distributed.rollout_cores must be in [0, {MAX_THREADS}], got {self.rollout_cores}")
+        if self.rollout_cores and not self.rollout_workers:
+            raise ValueError("distributed.rollout_cores is set but distributed.rollout_workers is 0: there is no rollout worker "
+                             "to own them (rollouts in process share the trainer's cores)")
         if self.rollout_workers and self.deepspeed_config is not None:
             raise ValueError(
                 "distributed.rollout_workers with distributed.deepspeed_config is not supported yet: DeepSpeed's "
@@ -476,8 +485,12 @@ class TrainConfig:
     threads; one intra-op thread each maps them onto two cores without oversubscription."""
     update_threads: int = 0
     """Intra-op threads of a training update where the producer idles meanwhile (sync, rollouts
-    in process; see a3po.training.threads); 0: every core. Results do not depend on it. On a machine busy
+    in process; see a3po.placement.cores); 0: every core. Results do not depend on it. On a machine busy
     with other work, OpenMP threads beyond the free cores slow an update down many times: set 1."""
+    generate_threads: int = 0
+    """Intra-op threads of generation where the trainer idles meanwhile (sync, rollouts in
+    process; see a3po.placement.cores); 0: every core. Decoding on another thread count may round
+    differently, so a run is bit-reproducible for a given value on a given machine."""
     device: Device = Device.AUTO
     """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
     dtype: DType = DType.FLOAT32
@@ -485,9 +498,10 @@ class TrainConfig:
     losses in fp32 either way)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.torch_threads <= MAX_THREADS or not 0 <= self.update_threads <= MAX_THREADS:
-            raise ValueError(f"torch_threads must be >= 1 and update_threads >= 0, both at most {MAX_THREADS} (threads beyond "
-                             f"the cores only cost; torch crashes on huge counts), got {self.torch_threads} and {self.update_threads}")
+        if not 1 <= self.torch_threads <= MAX_THREADS or not all(0 <= n <= MAX_THREADS for n in (self.update_threads, self.generate_threads)):
+            raise ValueError(f"torch_threads must be >= 1, update_threads and generate_threads >= 0, all at most {MAX_THREADS} (threads "
+                             f"beyond the cores only cost; torch crashes on huge counts), got {self.torch_threads}, {self.update_threads} "
+                             f"and {self.generate_threads}")
         if not self.output_dir:
             raise ValueError("output_dir must be a directory name, got ''")
         for name, enum in (("device", Device), ("dtype", DType)):

@@ -12,6 +12,7 @@ import torch
 from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates
 from a3po.data.datasets import prompt_style
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
+from a3po.placement.cores import generate_threads
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
 from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.engines import build_engine
@@ -62,6 +63,7 @@ def local_producer(
         check=check,
         **overlap,
         stream=inp.intra,
+        threads=generate_threads(inp.cfg),
     )
 
 

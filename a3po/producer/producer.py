@@ -149,6 +149,7 @@ class RolloutProducer(threading.Thread):
         mid_batch_updates: bool = True,
         check: Callable[[RolloutBatch], dict[str, float]] | None = None,
         stream: StreamHook | None = None,
+        threads: int | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
         self.stream = stream
@@ -161,8 +162,8 @@ class RolloutProducer(threading.Thread):
         self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
-        # Decode on the builder's thread count, whatever the trainer thread sets later (a3po.training.threads).
-        self.threads = torch.get_num_threads()
+        # Decode on ``threads`` (default: the builder's count), whatever the trainer thread sets later (a3po.placement.cores).
+        self.threads = threads or torch.get_num_threads()
         self._hold_key = f"producer-{id(self)}"
         self._hold(engine.version)
 

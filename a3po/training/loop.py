@@ -16,6 +16,7 @@ from a3po.config import TrainConfig, config_to_dict, effective_max_staleness, pr
 from a3po.grading.rewards import check_grader, score_completions
 from a3po.parallel.ranks import Ranks, init_ranks
 from a3po.parallel.updaters import Updater, make_updater, plain_model
+from a3po.placement.cores import update_threads
 from a3po.placement.in_process import RolloutInputs, weight_retention
 from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer, placement_name
 from a3po.producer.weight_store import WeightStore, clone_state
@@ -27,7 +28,7 @@ from a3po.training.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.training.ppo_parts import PPOParts, build_ppo_parts
 from a3po.training.run_state import RunState, resume
 from a3po.training.step import train_step
-from a3po.training.threads import intra_op_threads, update_threads
+from a3po.training.threads import intra_op_threads
 
 
 def checked_rollout_inputs(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows: list[dict]) -> RolloutInputs:

@@ -7,6 +7,7 @@ same weights and pays for it once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
 from a3po.parallel.ranks import init_ranks
 from a3po.parallel.updaters import plain_model
+from a3po.placement.cores import own_cores
 from a3po.placement.rollout_workers import serve_rollouts
 from a3po.storage.atomic import replace_dir
 from a3po.training.heldout import evaluate_heldout
@@ -84,6 +86,10 @@ def train_variant(
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
     ranks = init_ranks(cfg.distributed.deepspeed_config, cfg.distributed.rollout_workers)
+    cores = own_cores(cfg, ranks)
+    if cores is not None:  # this role's own cores: as many threads, every phase
+        cfg = dataclasses.replace(cfg, torch_threads=len(cores), update_threads=len(cores), generate_threads=len(cores))
+        torch.set_num_threads(len(cores))
     if ranks.is_rollout_worker:
         serve_rollouts(checked_rollout_inputs(cfg, model, tokenizer, train_rows), ranks)
         return None
