@@ -41,7 +41,7 @@ from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
 from infra.launch import launch_spec
-from tasks.arms import OPPO_MODES, arm_name, expand_arms
+from tasks.arms import OPPO_MODES, PLACEMENTS, arm_name, expand_arms
 from tasks.evaluation import BENCHMARKS
 from tasks.links import RunLinks
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
@@ -58,10 +58,12 @@ class CompareSpec(ComparisonSpec):
     benchmarks: list[str] = Field(default_factory=lambda: list(BENCHMARKS))
 
 
-def check_arms(spec: ComparisonSpec, base: TrainConfig, variants: list[str], oppo: list[str] | None) -> list[str]:
+def check_arms(spec: ComparisonSpec, base: TrainConfig, variants: list[str], oppo: list[str] | None,
+               placements: list[str] | None = None) -> list[str]:
     """The arms by the name of the config each builds; an unknown name or an unsupported
     combination (e.g. OPPO intra on the GRPO path) raises here, naming the field."""
-    return list(dict.fromkeys(arm_name(variant_config(base, a, spec.seeds[0], spec.variant_overrides)) for a in expand_arms(variants, oppo)))
+    arms = expand_arms(variants, oppo, placements)
+    return list(dict.fromkeys(arm_name(variant_config(base, a, spec.seeds[0], spec.variant_overrides)) for a in arms))
 
 
 @flow(name="compare-variants", log_prints=True)
@@ -69,6 +71,7 @@ def compare_variants(
     preset: str = "tiny",
     variants: tuple[str, ...] | list[str] = DEFAULT_VARIANTS,
     oppo: list[str] | None = None,
+    placements: list[str] | None = None,
     seeds: tuple[int, ...] | list[int] = (0,),
     steps: int | None = None,
     max_staleness: int | None = None,
@@ -103,6 +106,10 @@ def compare_variants(
     tasks.arms) compared like the variants: each variant runs once per mode, as the arm
     ``<variant>`` (off) or ``<variant>+oppo-<mode>``; None (default): as the config says.
     A mode the config cannot run (intra on the GRPO path, both) fails here, naming the field.
+    placements: where generation runs (tasks.arms.PLACEMENTS: colocated, disaggregated), compared
+    like the variants: each arm once per placement, baselines taken within a placement (a
+    disaggregated arm runs as a trainer process and a rollout worker process, each on its own
+    cores); None (default): as the config says.
     variant_overrides: ``{variant: {rl_field: value}}`` (e.g. ``{"loglinear": {"proximal":
     "metrics"}}`` logs loglinear's approximation error). output_dir: default
     runs/compare-<preset>; re-running resumes; ``{date}`` in it becomes the UTC date.
@@ -118,9 +125,10 @@ def compare_variants(
     t0 = time.perf_counter()
     base = spec.train_config()
     launched = launch_for_config(spec.launch_spec(), base)  # the ZeRO stage the ranks will run, for the record
-    arms = check_arms(spec, base, list(variants), oppo)
+    arms = check_arms(spec, base, list(variants), oppo, placements)
     out = spec.output_folder()
-    flow_values = dict(preset=preset, variants=list(variants), oppo=oppo, seeds=spec.seeds, benchmarks=spec.benchmarks, bench_limit=bench_limit,
+    flow_values = dict(preset=preset, variants=list(variants), oppo=oppo, placements=placements, seeds=spec.seeds, benchmarks=spec.benchmarks,
+                       bench_limit=bench_limit,
                        data_dir=data_dir, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "compare", "a3po.preset": preset, "a3po.variants": ",".join(arms), "a3po.seeds": ",".join(map(str, spec.seeds)),
@@ -171,6 +179,9 @@ def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.Arg
     ap.add_argument("--oppo", default=None, metavar="MODES",
                     help=f"comma-separated OPPO modes ({','.join(OPPO_MODES.names())}) compared like the variants: one arm per "
                          "variant and mode, e.g. off,inter runs loglinear and loglinear+oppo-inter (default: as the config says)")
+    ap.add_argument("--placements", default=None, metavar="PLACEMENTS",
+                    help=f"comma-separated placements ({','.join(PLACEMENTS.names())}) compared like the variants: each arm "
+                         "in each placement, baselines within a placement (default: as the config says)")
     add_comparison_args(ap, CompareSpec)
     ap.add_argument("--fanout-deployment", default=None, metavar="FLOW/DEPLOYMENT",
                     help="e.g. train-one/train-one: run each variant x seed as a run of this deployment on its work pool's "
@@ -182,20 +193,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_var
     args = build_parser(prog).parse_args(argv)
     kwargs = comparison_kwargs(args)  # output_dir is set by run_flow
     variants, oppo = csv(args.variants), (csv(args.oppo) if args.oppo is not None else None)
+    placements = csv(args.placements) if args.placements is not None else None
 
     def check(spec: ComparisonSpec) -> None:
         """Every arm's config now, so a bad value (file, --set, option) fails in one line before
         any server starts (the flow builds them again, as its parameters say)."""
         base = spec.train_config()
-        check_arms(spec, base, variants, oppo)
+        check_arms(spec, base, variants, oppo, placements)
         if not args.fanout_deployment:  # deployed workers check their own machine (train_variant)
-            for arm in expand_arms(variants, oppo):
+            for arm in expand_arms(variants, oppo, placements):
                 preflight(variant_config(base, arm, spec.seeds[0], spec.variant_overrides))
         launch_for_config(launch_spec(spec.launch), base)  # e.g. 2 ranks without a DeepSpeed config
         if args.fanout_deployment and not os.environ.get("PREFECT_API_URL"):
             raise ValueError("--fanout-deployment needs a Prefect server with workers: set PREFECT_API_URL (infra/start_prefect_server.sh)")
 
-    own = {"variants": variants, "oppo": oppo, "fanout_deployment": args.fanout_deployment}
+    own = {"variants": variants, "oppo": oppo, "placements": placements, "fanout_deployment": args.fanout_deployment}
     status, result, api = run_flow("compare_variants", compare_variants, CompareSpec, kwargs, own, check)
     if result is None:
         return status

@@ -33,7 +33,7 @@ from a3po.storage.checkpoint import atomic_write_text
 from infra.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.evaluation import evaluate_checkpoint
 from tasks.tracking import TrackingRef, log_evaluation
-from tasks.training import WarmStart, launch_for_config, train_launched, train_variant
+from tasks.training import WarmStart, arm_launch, launch_for_config, train_launched, train_variant
 
 RECORD_FILE = "record.json"
 
@@ -51,7 +51,9 @@ def train_and_evaluate(
     system_metrics_interval_s: float,
 ) -> dict[str, Any]:
     """Train one variant x seed (in-process, or as launched ranks), evaluate it, log the
-    evaluation on its child run; the comparison's record of it."""
+    evaluation on its child run; the comparison's record of it. An arm with rollout workers runs
+    as launched processes even in an in-process comparison (:func:`tasks.training.arm_launch`)."""
+    spec = arm_launch(spec, cfg)
     if spec is None or spec.mode is LaunchMode.LOCAL:
         run = train_variant(cfg, run_dir, ws, tracking, system_metrics_interval_s)
     else:

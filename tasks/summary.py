@@ -38,7 +38,7 @@ from typing import Any, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.arms import metric_key_part, parse_arm
+from tasks.arms import metric_key_part, parse_arm, split_placement, with_placement
 
 SMOOTH_FRAC = 0.25
 TARGET_FRACTION = 0.8
@@ -119,9 +119,10 @@ def arm_of(record: dict[str, Any]) -> str:
 
 
 def baselines_of(arm: str) -> list[str]:
-    """What a row is compared with: sync and recompute, and for an OPPO arm its variant with OPPO off."""
+    """What a row is compared with, in its own placement: sync and recompute, and for an OPPO arm
+    its variant with OPPO off."""
     variant, mode = parse_arm(arm)
-    return list(dict.fromkeys([*BASELINES, *([variant] if mode is not None else [])]))
+    return list(dict.fromkeys(with_placement(b, arm) for b in [*BASELINES, *([variant] if mode is not None else [])]))
 
 
 def _max(xs: Sequence[float | None]) -> float | None:
@@ -179,7 +180,8 @@ def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, sm
     return Comparison(rows=rows, metrics=metrics, target=target, notes=notes)
 
 
-ROW_METRICS = ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", *STABILITY_FIGURES)
+ROW_METRICS = ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", "mean_generate_s", "mean_train_s",
+               "mean_idle_s", *STABILITY_FIGURES)
 
 
 def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | None, smooth_frac: float) -> dict[str, Any]:
@@ -189,6 +191,7 @@ def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | 
     per_seed = [{"seed": r.seed, **run_figures(r.history, target, smooth_frac)} for r in runs if r.history]
     row = {
         "variant": arm,
+        "placement": split_placement(arm)[1] or "colocated",
         "seeds": len(runs),
         "warmstart_acc": _mean([r.warmstart_acc for r in runs]),
         "final_acc": _mean([r.final_acc for r in runs]),
@@ -196,6 +199,9 @@ def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | 
         "time_to_target_s": _mean([f["time_to_target_s"] for f in per_seed]) if target is not None else None,
         "mean_step_time_s": _mean([f["mean_step_time_s"] for f in per_seed]),
         "train_wall_s": _mean([h[-1]["time/train_wall_s"] for h in hist]),
+        # Where a step's time goes, seen from the trainer (a3po.training.loop): generating the batch,
+        # training on it, waiting for it.
+        **{f"mean_{k}_s": _mean([sum(x.get(f"perf/{k}_s", 0.0) for x in h) / len(h) for h in hist]) for k in ("generate", "train", "idle")},
         **{k: (_max if k.endswith("_max") else _mean)([f[k] for f in per_seed]) for k in STABILITY_FIGURES},
         "prox_time_s": _mean([f["prox_time_s"] for f in per_seed]),
         "staleness_mean": _mean([sum(x.get("staleness/mean", 0.0) for x in h) / len(h) for h in hist]),
@@ -219,8 +225,9 @@ def _against_baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
         for base in baselines_of(row["variant"]):
             if base == row["variant"] or base not in index:
                 continue
-            b, tag = index[base], f"{metric_key_part(row['variant'])}_vs_{base}"
-            cols = [base, *(["oppo_off"] if base == parse_arm(row["variant"])[0] else [])]
+            b, tag = index[base], f"{metric_key_part(row['variant'])}_vs_{metric_key_part(base)}"
+            bare = parse_arm(base)[0]  # the column names the baseline variant; the placement is the row's
+            cols = [bare, *(["oppo_off"] if bare == parse_arm(row["variant"])[0] else [])]
             for figure, name in (("time_to_target_s", "ttt"), ("mean_step_time_s", "step")):
                 if row[figure] and b[figure]:  # None or 0: no speedup
                     row.update({f"speedup_{name}_vs_{c}": b[figure] / row[figure] for c in cols})
@@ -231,9 +238,10 @@ def _against_baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 COLUMNS = [
-    ("variant", "variant"), ("seeds", "seeds"), ("warmstart_acc", "warm-start acc"), ("final_acc", "final held-out acc"),
+    ("variant", "variant"), ("placement", "placement"), ("seeds", "seeds"), ("warmstart_acc", "warm-start acc"), ("final_acc", "final held-out acc"),
     ("final_reward", "final reward"), ("time_to_target_s", "time to target (s)"), ("mean_step_time_s", "mean step (s)"),
-    ("train_wall_s", "train wall (s)"), ("speedup_ttt_vs_sync", "speedup vs sync (target)"),
+    ("train_wall_s", "train wall (s)"), ("mean_generate_s", "generate (s/step)"), ("mean_train_s", "train (s/step)"),
+    ("mean_idle_s", "trainer idle (s/step)"), ("speedup_ttt_vs_sync", "speedup vs sync (target)"),
     ("speedup_ttt_vs_recompute", "speedup vs recompute (target)"), ("speedup_step_vs_sync", "step speedup vs sync"),
     ("speedup_step_vs_recompute", "step speedup vs recompute"), ("behav_iw_max", "behaviour IW max"),
     ("behav_iw_p99", "behaviour IW p99"), ("trust_ratio_max", "trust-region ratio max"), ("clipped_frac", "clipped tokens"),

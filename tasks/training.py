@@ -37,8 +37,8 @@ from a3po.storage.runlock import RunFolderBusy, hold_run_folder
 from a3po.training.metrics import FanoutLogger, JsonlLogger
 from a3po.training.run import prepare_warmstart, warmstart_key
 from a3po.training.run import train_variant as library_train_variant
-from infra.launch import LaunchSpec
-from tasks.arms import arm_name, oppo_mode
+from infra.launch import LaunchMode, LaunchSpec
+from tasks.arms import arm_name, oppo_mode, placement_of
 from tasks.launch import LaunchRecord, launch_ranks
 from tasks.runtime import run_logger
 from tasks.summary import final_reward
@@ -143,6 +143,7 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
         "a3po.variant": cfg.rl.variant.value,
         "a3po.arm": arm_name(cfg),
         "a3po.oppo": oppo_mode(cfg.oppo),
+        "a3po.placement": placement_of(cfg),
         "a3po.seed": str(cfg.rl.seed),
         "a3po.run_dir": str(run_dir),
         "a3po.config_hash": config_hash(cfg),
@@ -290,10 +291,21 @@ def launch_for_config(spec: LaunchSpec, cfg: TrainConfig) -> LaunchSpec:
         raise ValueError(f"launch.zero_stage = {spec.zero_stage} but distributed.deepspeed_config {has}; "
                          "leave launch.zero_stage out: it is read from the config")
     world = spec.topology()["world_size"]
-    if ds is None and (world is None or world > 1):
+    trainers = world - cfg.distributed.rollout_workers if world is not None else None  # rollout workers are the last ranks
+    if ds is None and (trainers is None or trainers > 1):
         raise ValueError(f"launch: {world or 'several'} ranks need distributed.deepspeed_config (e.g. "
                          "--set distributed.deepspeed_config=infra/deepspeed_zero2.json); without it each rank would train its own copy")
     return dataclasses.replace(spec, zero_stage=stage)
+
+
+def arm_launch(spec: LaunchSpec | None, cfg: TrainConfig) -> LaunchSpec | None:
+    """How one arm is started: as the comparison says, except that an arm with rollout workers
+    (``distributed.rollout_workers``, e.g. the ``disaggregated`` placement) in an in-process
+    comparison runs as torchrun processes on this machine: its trainer rank, then its workers."""
+    workers = cfg.distributed.rollout_workers
+    if workers and (spec is None or spec.mode is LaunchMode.LOCAL):
+        return LaunchSpec(mode=LaunchMode.TORCHRUN, nproc_per_node=1 + workers)
+    return spec
 
 
 @task(cache_policy=NO_CACHE)
