@@ -27,11 +27,12 @@ from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 from infra.launch import LaunchSpec, launch_spec
 from tasks.arms import arm_config, arm_name, parse_arm
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
+from tasks.evaluation import evaluate_checkpoint
 from tasks.links import tag_run_links
 from tasks.runtime import default_tracking_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, close_parent_run_quietly, open_parent_run, probe_tracking
-from tasks.training import run_dir_for, topology_tags, warm_start, warmstart_ready
+from tasks.training import WarmStart, run_dir_for, topology_tags, warm_start, warmstart_ready
 
 
 def default_data_dir() -> str:
@@ -211,15 +212,25 @@ def run_comparison(
             (variant_config(base, arm, seed, spec.variant_overrides) for arm in arms for seed in spec.seeds)]
     evaluation = dict(benchmarks=spec.benchmarks, data_dir=data_dir, bench_limit=spec.bench_limit,
                       bench_max_new_tokens=spec.bench_max_new_tokens, system_metrics_interval_s=spec.system_metrics_interval_s)
+    step0 = step0_benchmarks(ws, base, spec, data_dir, cache_dir)
     if fanout_deployment:
-        return fan_out(fanout_deployment, [
+        return [{**r, "step0_eval": step0} for r in fan_out(fanout_deployment, [
             (f"{arm_name(cfg)} seed {cfg.rl.seed}", run_dir,
              # The store's secrets stay out of Prefect's flow-run parameters: each worker reads its own (flows.train_one).
              dict(config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
                   tracking={**dataclasses.asdict(tracking), "tracking_uri": mask_uri(tracking.tracking_uri)},
                   launch=spec_to_dict(launch or LaunchSpec()), **evaluation))
-            for cfg, run_dir in jobs])
-    return [train_and_evaluate(cfg, run_dir, ws, tracking, launch, **evaluation) for cfg, run_dir in jobs]
+            for cfg, run_dir in jobs])]
+    return [{**train_and_evaluate(cfg, run_dir, ws, tracking, launch, **evaluation), "step0_eval": step0} for cfg, run_dir in jobs]
+
+
+def step0_benchmarks(ws: WarmStart, base: TrainConfig, spec: ComparisonSpec, data_dir: str, cache_dir: Path) -> dict[str, float]:
+    """The step-0 model (the warm start every arm starts from) on the comparison's benchmarks,
+    as ``eval/step0/<bench>/<metric>``, beside the final models' ``eval/final/...``; {} without benchmarks."""
+    if not spec.benchmarks:
+        return {}
+    ev = evaluate_checkpoint(ws.dir, base, spec.benchmarks, data_dir, spec.bench_limit, spec.bench_max_new_tokens, str(cache_dir / "eval-step0"))
+    return {k.replace("eval/final/", "eval/step0/", 1): v for k, v in ev["metrics"].items() if k.startswith("eval/final/")}
 
 
 def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[str], launch: LaunchSpec | None = None,

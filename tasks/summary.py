@@ -354,6 +354,12 @@ def summarise(records: list[dict[str, Any]], out_dir: str, target_fraction: floa
         f"clipped tokens = mean over steps of the step's fraction of tokens whose clipped term is active.\n"
         + "".join(f"\nNote: {n}" for n in comp.notes)
     )
+    step0 = next((r["step0_eval"] for r in records if r.get("step0_eval")), {})
+    if step0:  # the model every arm starts from, on the same benchmark slices as the final models
+        with open(out / "comparison.md", "a") as f:
+            f.write("\nStep-0 model (before RL): " + ", ".join(f"{k.removeprefix('eval/step0/')} {v:.3f}" for k, v in sorted(step0.items())
+                                                              if k.endswith("/pass_at_1")) + "\n")
+        comp.metrics.update({f"summary/step0/{k.removeprefix('eval/step0/')}": v for k, v in step0.items()})
     df.to_csv(out / "comparison.csv", index=False)
     plots = plot(full, comp, out, smooth_frac)
     summary = {"rows": comp.rows, "metrics": comp.metrics, "target": comp.target, "notes": comp.notes, "table_md": md}

@@ -11,6 +11,7 @@ cache; the tests that need the package are skipped, saying how to install it, wh
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 
@@ -127,7 +128,7 @@ def test_smol_second_load_reuses_the_converted_folder(smol, smol_cache):
 
 
 @needs_smol
-@pytest.mark.parametrize("damage", ["weights_missing", "weights_truncated", "no_manifest", "other_gguf"])
+@pytest.mark.parametrize("damage", ["weights_missing", "weights_truncated", "no_manifest", "other_gguf", "older_conversion"])
 def test_smol_an_incomplete_cache_folder_is_converted_again(smol, smol_cache, tmp_path, monkeypatch, damage):
     root, _ = smol_cache
     (good,) = [p for p in root.iterdir() if not p.name.startswith(".")]
@@ -146,6 +147,11 @@ def test_smol_an_incomplete_cache_folder_is_converted_again(smol, smol_cache, tm
         weights.write_bytes(b"\0" * 1024)
     elif damage == "no_manifest":
         (copy / MANIFEST).unlink()
+    elif damage == "older_conversion":  # e.g. a folder whose config still said "quantized with gguf"
+        manifest = json.loads((copy / MANIFEST).read_text())
+        manifest["format"] = manifest["format"] - 1
+        (copy / MANIFEST).unlink()
+        (copy / MANIFEST).write_text(json.dumps(manifest))
     else:
         manifest = (copy / MANIFEST).read_text().replace(key, "0" * 64)
         (copy / MANIFEST).unlink()
@@ -162,6 +168,15 @@ def test_smol_an_incomplete_cache_folder_is_converted_again(smol, smol_cache, tm
     with pytest.raises(Converting):  # not used: a conversion starts (stopped here, after its temporary folder)
         SOURCE.folder(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [copy.name]  # its temporary folder is removed
+
+
+@needs_smol
+def test_smol_loaded_model_saves_as_a_plain_folder(smol, tmp_path):
+    # A warm start and a run's export write the policy with save_pretrained; a GGUF-flagged config refuses it.
+    model, tok = smol
+    assert getattr(model.config, "quantization_config", None) is None
+    model.save_pretrained(tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
 
 
 @needs_smol

@@ -20,6 +20,7 @@ which preflight checks) and bound here in :data:`MODEL_SOURCES`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -36,6 +37,8 @@ from a3po.registry import Registry
 from a3po.storage.atomic import atomic_write_text, replace_dir
 
 MANIFEST = "a3po_source.json"
+# The conversion's version: a folder converted by another version is converted again.
+FORMAT = 2
 CACHE_ENV = "A3PO_MODEL_CACHE"
 
 
@@ -119,7 +122,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A model read from GGUF refuses save_pretrained: copy its weights into a plain one.
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # The loaded config still says "quantized with gguf": kept, the folder would load as a quantized
+    # model that refuses save_pretrained again (a warm start or an export could not write it).
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     del loaded
     plain.save_pretrained(out)
@@ -129,14 +137,14 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 def write_manifest(folder: Path, key: str, **info: str) -> None:
     """The manifest, written last: the GGUF hash and the size of every file of ``folder``."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    atomic_write_text(folder / MANIFEST, json.dumps({"sha256": key, **info, "files": files}, indent=1) + "\n")
+    atomic_write_text(folder / MANIFEST, json.dumps({"sha256": key, "format": FORMAT, **info, "files": files}, indent=1) + "\n")
 
 
 def cache_valid(folder: Path, key: str) -> bool:
     """Whether ``folder`` is a complete conversion of the GGUF file whose sha256 is ``key``."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("sha256") != key or not manifest.get("files"):
+        if manifest.get("sha256") != key or manifest.get("format") != FORMAT or not manifest.get("files"):
             return False
         return all((folder / name).stat().st_size == size for name, size in manifest["files"].items())
     except (OSError, ValueError, AttributeError, TypeError):
