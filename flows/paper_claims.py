@@ -30,7 +30,8 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import Variant
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, run_flow
-from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
+from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
+from tasks.arms import PLACEMENTS, arm_name, expand_arms
 from tasks.claims import report_claims
 from tasks.links import RunLinks
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
@@ -46,6 +47,12 @@ class ClaimsSpec(ComparisonSpec):
     default_output_dir: ClassVar[str] = "runs/claims-{preset}"
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     experiment: str = "a3po-claims"
+
+
+def claim_arms(spec: ComparisonSpec, base, placements: list[str] | None) -> list[str]:
+    """Every variant in every placement, by the name of the config each builds."""
+    return list(dict.fromkeys(arm_name(variant_config(base, a, spec.seeds[0], spec.variant_overrides))
+                              for a in expand_arms(VARIANTS, None, placements)))
 
 
 @flow(name="paper-claims", log_prints=True)
@@ -74,22 +81,25 @@ def paper_claims(
     bench_max_new_tokens: int = 64,
     data_dir: str | None = None,
     launch: str | dict[str, Any] = "local",
+    placements: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run sync, recompute and loglinear over ``seeds`` and judge the paper's claims.
 
     The parameters are those of :class:`flows.common.ComparisonSpec`; output_dir: default
-    runs/claims-<preset> (re-running resumes).
+    runs/claims-<preset> (re-running resumes). placements: where generation runs
+    (tasks.arms.PLACEMENTS); the variants run in each and the claims are judged per placement.
     """
     spec = ClaimsSpec.of_flow(locals())  # first: raises naming the field, before anything runs
     t0 = time.perf_counter()
     base = spec.train_config()
     launched = launch_for_config(spec.launch_spec(), base)
     out = spec.output_folder()
-    flow_values = dict(preset=preset, seeds=spec.seeds, target_fraction=target_fraction, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
+    flow_values = dict(preset=preset, seeds=spec.seeds, placements=placements, target_fraction=target_fraction, smooth_frac=smooth_frac,
+                       variant_overrides=variant_overrides)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "claims", "a3po.preset": preset, "a3po.seeds": ",".join(map(str, spec.seeds)), **launch_tags}
     with parent_run(spec, out, f"claims-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
-        records, links, summary = compare_and_summarise(spec, base, ref, out, VARIANTS, launch=launched)
+        records, links, summary = compare_and_summarise(spec, base, ref, out, claim_arms(spec, base, placements), launch=launched)
         header = (f"# A-3PO claims on this testbed\n\nPreset {preset}, {base.rl.steps} RL steps, seeds {', '.join(map(str, spec.seeds))}, "
                   f"max staleness {base.rl.max_staleness}; comparison table in comparison.md.")
         claims = report_claims(summary, str(out / "summary"), header)
@@ -111,6 +121,9 @@ def paper_claims(
 
 def build_parser(prog: str = "python -m flows.paper_claims") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--placements", default=None, metavar="PLACEMENTS",
+                    help=f"comma-separated placements ({','.join(PLACEMENTS.names())}): the variants run in each, the claims "
+                         "are judged per placement (default: as the config says)")
     add_comparison_args(ap, ClaimsSpec)
     return ap
 
@@ -118,10 +131,14 @@ def build_parser(prog: str = "python -m flows.paper_claims") -> argparse.Argumen
 def main(argv: list[str] | None = None, prog: str = "python -m flows.paper_claims") -> int:
     args = build_parser(prog).parse_args(argv)
 
-    def check(spec: ComparisonSpec) -> None:
-        launch_for_config(spec.launch_spec(), spec.train_config())
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements is not None else None
 
-    status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args), {}, check)
+    def check(spec: ComparisonSpec) -> None:
+        base = spec.train_config()
+        claim_arms(spec, base, placements)  # an unknown placement or a refused combination, before anything starts
+        launch_for_config(spec.launch_spec(), base)
+
+    status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args), {"placements": placements}, check)
     if res is None:
         return status
     print("\n" + res["table_md"] + "\n\n" + res["claims_md"])

@@ -44,6 +44,8 @@ from typing import Any, Callable, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.arms import split_placement
+
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE = "reproduced", "not reproduced", "not measurable here"
 
 PAPER = "Li, Wu, Shen: A-3PO, arXiv:2512.06547"
@@ -218,8 +220,28 @@ def judge(claim: Claim, m: Measurement) -> tuple[str, str]:
     return NOT_REPRODUCED, f"{claim.quantity} {claim.rule} fails on {len(failing)} of {n} seed(s) (seed {seed}: {value:.3g})"
 
 
+def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
+    """The comparison's rows per placement (tasks.arms.PLACEMENTS), each named by its arm without
+    the placement, so a claim compares variants that generated in the same place."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        arm, placement = split_placement(row["variant"])
+        groups.setdefault(placement or "colocated", []).append({**row, "variant": arm})
+    return groups
+
+
 def check_claims(rows: Rows, target: float | None, claims: Sequence[Claim] = CLAIMS) -> list[dict[str, Any]]:
-    """One result per claim: paper figure, testbed figure with spread, verdict and reason."""
+    """One result per claim and placement: paper figure, testbed figure with spread, verdict and
+    reason. Results of a placement other than colocated carry it in their key (``ttt_vs_sync_on_disaggregated``)."""
+    groups = rows_by_placement(rows)
+    out = []
+    for placement, group in groups.items():
+        suffix = "" if placement == "colocated" else f"_on_{placement}"
+        out += [{**r, "claim": r["claim"] + suffix, "placement": placement} for r in _check(group, target, claims)]
+    return out
+
+
+def _check(rows: Rows, target: float | None, claims: Sequence[Claim]) -> list[dict[str, Any]]:
     out = []
     for c in claims:
         m = c.measure(rows, target)
@@ -246,7 +268,7 @@ def claims_markdown(results: Sequence[dict[str, Any]]) -> str:
             + " | ".join(_cell(x) for x in (f"{r['statement']} ({r['claim']})", r["paper"], r["testbed"], f"**{r['verdict']}**", r["reason"]))
             + " |"
         )
-    lines += ["", "Sources of the paper's figures:", ""] + [f"- {r['claim']}: {r['source']}" for r in results]
+    lines += ["", "Sources of the paper's figures:", ""] + list(dict.fromkeys(f"- {r['claim']}: {r['source']}" for r in results))
     lines += ["", "Rule (tasks/claims.py): reproduced iff the value passes its threshold on every seed; "
               "not measurable here when the quantity does not exist in this run."]
     return "\n".join(lines) + "\n"

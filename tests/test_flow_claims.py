@@ -37,6 +37,23 @@ def test_every_claim_reproduced_when_loglinear_wins_on_every_seed():
     assert "on all 2 seed(s)" in v["prox_time"][1]
 
 
+def test_claims_are_judged_per_placement():
+    # Colocated: sync 50 s vs loglinear 60 s to target (async slower); disaggregated: 100 s vs 60 s.
+    rows = [
+        _row("sync", {0: _fig(0.0001, 50.0, 0.6, 1.0, 0.004)}),
+        _row("loglinear", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.001)}),
+        _row("sync@disaggregated", {0: _fig(0.0001, 100.0, 0.6, 1.0, 0.004)}),
+        _row("loglinear@disaggregated", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.001)}),
+    ]
+    results = {r["claim"]: r for r in check_claims(rows, 0.5)}
+    assert results["ttt_vs_sync"]["verdict"] == NOT_REPRODUCED and results["ttt_vs_sync"]["placement"] == "colocated"
+    assert results["ttt_vs_sync"]["values"] == {"0": pytest.approx(50.0 / 60.0)}
+    assert results["ttt_vs_sync_on_disaggregated"]["verdict"] == REPRODUCED
+    assert results["ttt_vs_sync_on_disaggregated"]["values"] == {"0": pytest.approx(100.0 / 60.0)}
+    assert results["ttt_vs_recompute_on_disaggregated"]["verdict"] == NOT_MEASURABLE  # recompute was not run there
+    assert "(ttt_vs_sync_on_disaggregated)" in claims_markdown(list(results.values()))
+
+
 def test_one_failing_seed_means_not_reproduced_and_is_named():
     # Seed 1 of loglinear: IW max 20 > recompute's 15 (ratio 1.33), clipped 0.003 > recompute's 0.002,
     # reward 0.50 - 0.62 = -0.12 < -0.05, ttt 120 > recompute's 100 and sync's 80.
