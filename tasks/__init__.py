@@ -10,6 +10,7 @@ Prefect's cache keys and persisted results stay small and meaningful.
                        parent / child runs by explicit id, params, artifacts
 - ``tasks.data``       ``prepare_dataset``: validated train / held-out JSONL, cached by content
 - ``tasks.training``   ``warm_start`` (cached) and ``train_variant`` (resumes; safe to retry)
+- ``tasks.completions`` the run folder's completion tables as MLflow tables (``log_table``)
 - ``tasks.evaluation`` ``evaluate_checkpoint``: in-domain held-out + GSM8K / MATH500 / AIME24
 - ``tasks.summary``    the comparison table, speedups, plots
 - ``tasks.parity``     the paired-bootstrap convergence-parity rule of the nightly run

@@ -6,7 +6,8 @@ default 'deterministic' schedule, continues exactly as an uninterrupted run woul
 directory is named by variant, seed and a hash of the config, so a re-run with the same
 config resumes and a changed config starts afresh instead of resuming someone else's run.
 
-MLflow: one child run per variant x seed under the flow's parent run. A Prefect retry reuses
+MLflow: one child run per variant x seed under the flow's parent run, with the run folder's
+completion tables logged as MLflow tables when training ends (:mod:`tasks.completions`). A Prefect retry reuses
 the child run of its flow run (steps already logged are not logged again); a new flow run
 gets a new child run, marks the killed one KILLED and back-fills the steps restored from the
 checkpoint, so its record is complete.
@@ -39,6 +40,7 @@ from a3po.training.run import prepare_warmstart, warmstart_key
 from a3po.training.run import train_variant as library_train_variant
 from infra.launch import LaunchMode, LaunchSpec
 from tasks.arms import arm_name, oppo_mode, placement_of
+from tasks.completions import log_completion_tables
 from tasks.launch import LaunchRecord, launch_ranks
 from tasks.runtime import run_logger
 from tasks.summary import final_reward
@@ -71,6 +73,7 @@ def config_hash(cfg: TrainConfig) -> str:
     d = config_to_dict(cfg)
     d.pop("output_dir", None)
     d.pop("update_threads", None)  # results do not depend on it (a3po.placement.cores); run folders keep their names
+    d["rl"].pop("log_completions", None)  # what is logged, not what is trained; run folders keep their names
     for key, section in (("generate_threads", d), ("rollout_cores", d.get("distributed", {}))):
         if not section.get(key):  # fields added later: at their default, the folders of earlier runs keep their names
             section.pop(key, None)
@@ -235,6 +238,7 @@ def _train_locked(
         client.set_tag(run_id, "a3po.backfilled_steps", str(backfilled))
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
             client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
+        _log_tables(client, run_id, rd / "completions", log)
         if shipper.outages:
             log.warning(
                 f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; "
@@ -379,6 +383,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
             "launch/wall_s": launched.wall_s,
         }, step=len(history))
         client.set_tag(run_id, "a3po.resumed_from", str(result.get("resumed_from") or 0))
+        _log_tables(client, run_id, out / "completions", run_logger())
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result["variant"], arm=arm_name(cfg), seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
@@ -406,6 +411,15 @@ def train_launched(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, trackin
             mark_run_failed(tracking, run_id)
         raise
     return record_launched_run(cfg, run_dir, tracking, run_id, launched)
+def _log_tables(client, run_id: str, folder: Path, log) -> None:
+    """The run folder's completion tables on the child run (tasks.completions). A failed upload
+    is a warning: the trained run stands, and its tables stay in the folder."""
+    try:
+        log_completion_tables(client, run_id, folder)
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"completion tables not logged to MLflow run {run_id} ({type(e).__name__}: {e}); they are in {folder}")
+
+
 def _start_system_metrics(run_id: str, tracking_uri: str, interval_s: float, resume: bool, log):
     """MLflow's system-metrics sampler, or None: it must never be the reason training fails."""
     try:

@@ -235,7 +235,8 @@ def test_groups_of_one_are_fine_for_an_estimator_that_is_not_group_relative():
         ({"data": {"max_add": 0}}, r"data\.max_add must be >= 1 and data\.max_mul >= 2"),
         ({"ppo": {"critic_lr": 3.0}}, r"ppo\.critic_lr must be in \(0, 1\.0\]"),
         ({"ppo": {"kl_coef": 1e300}}, r"ppo\.kl_coef in \[0, 1000\]"),
-        ({"torch_threads": 100000}, r"torch_threads must be >= 1, update_threads and generate_threads >= 0, all at most 1024"),  # torch segfaulted on it
+        # torch segfaulted on it
+        ({"torch_threads": 100000}, r"torch_threads must be >= 1, update_threads and generate_threads >= 0, all at most 1024"),
         ({"update_threads": 100000}, r"generate_threads >= 0, all at most 1024 .*got 1, 100000 and 0"),
         ({"generate_threads": 100000}, r"generate_threads >= 0, all at most 1024 .*got 1, 0 and 100000"),
         ({"output_dir": ""}, r"output_dir must be a directory name"),

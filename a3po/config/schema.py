@@ -224,6 +224,10 @@ class RLConfig:
     eval_samples: int = 4
     """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
     eval_every: int = 50
+    log_completions: int = 16
+    """Rows of the completion table written at each held-out evaluation (half from the batch just
+    trained on, with rewards, staleness and versions; half greedy held-out answers:
+    ``a3po.training.completions``); 0: no tables."""
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     seed: int = 0
@@ -264,6 +268,8 @@ class RLConfig:
             raise ValueError("rl.eval_samples must be >= 1")
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
+        if not 0 <= self.log_completions <= 1000:
+            raise ValueError(f"rl.log_completions must be in [0, 1000] (rows per completion table; 0: none), got {self.log_completions}")
         if not _seed_ok(self.seed):
             raise ValueError(f"rl.seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),

@@ -8,6 +8,8 @@ Greedy pass@1 is logged beside it (``eval/heldout_greedy_acc``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from a3po.data.datasets import prompt_style
@@ -16,7 +18,39 @@ from a3po.grading.rewards import score_completions
 from a3po.rollout.torch_engine import SamplingParams, generate_text
 
 
+@dataclass(frozen=True)
+class HeldOutEvaluation:
+    """The held-out figures (``eval/*`` metrics) and the greedy answers behind the greedy one,
+    one per row in order, with their grader scores (the loop's completion tables read them)."""
+
+    figures: dict[str, float]
+    greedy: list[str]
+    greedy_scores: list[float]
+
+
 @torch.no_grad()
+def heldout_completions(
+    model,
+    tokenizer,
+    rows: list[dict],
+    task: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
+    batch_size: int = 64,
+    style: PromptStyle = PromptStyle(),
+) -> tuple[list[str], list[float]]:
+    """``samples`` completions per row of ``rows`` (greedy when temperature is 0), prompts
+    formatted by ``style`` as in training, and their grader scores: row-major lists."""
+    prompts = [style.render(r["prompt"], tokenizer) for r in rows for _ in range(samples)]
+    params = SamplingParams(max_new_tokens, temperature=temperature)
+    completions = generate_text(model, tokenizer, prompts, params, seed=seed, batch_size=batch_size)
+    golds = [r["gold"] for r in rows for _ in range(samples)]
+    ids = [r["id"] for r in rows for _ in range(samples)]
+    return completions, score_completions(task, completions, golds, ids)
+
+
 def heldout_accuracy(
     model,
     tokenizer,
@@ -31,24 +65,22 @@ def heldout_accuracy(
 ) -> float:
     """Mean grader score over ``rows`` x ``samples`` completions (greedy when temperature is 0),
     prompts formatted by ``style`` as in training."""
-    prompts = [style.render(r["prompt"], tokenizer) for r in rows for _ in range(samples)]
-    params = SamplingParams(max_new_tokens, temperature=temperature)
-    completions = generate_text(model, tokenizer, prompts, params, seed=seed, batch_size=batch_size)
-    golds = [r["gold"] for r in rows for _ in range(samples)]
-    ids = [r["id"] for r in rows for _ in range(samples)]
-    scores = score_completions(task, completions, golds, ids)
+    _, scores = heldout_completions(model, tokenizer, rows, task, max_new_tokens, temperature, samples, seed, batch_size, style)
     return sum(scores) / len(scores)
 
 
-def evaluate_heldout(model, tokenizer, rows: list[dict], cfg) -> dict[str, float]:
+def heldout_evaluation(model, tokenizer, rows: list[dict], cfg) -> HeldOutEvaluation:
     """The trainer's held-out figures for a :class:`a3po.config.TrainConfig`: sampled mean@n at
-    the training temperature (``eval/heldout_acc``) and greedy pass@1. The sampling seed is
-    fixed, not the run's: every variant and checkpoint is scored on the same random numbers,
-    which takes sampling noise out of the comparison."""
+    the training temperature (``eval/heldout_acc``) and greedy pass@1, with the greedy answers.
+    The sampling seed is fixed, not the run's: every variant and checkpoint is scored on the same
+    random numbers, which takes sampling noise out of the comparison."""
     rl, style = cfg.rl, prompt_style(cfg.data)
-    return {
-        "eval/heldout_acc": heldout_accuracy(
-            model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature, rl.eval_samples, seed=0, style=style
-        ),
-        "eval/heldout_greedy_acc": heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style),
-    }
+    sampled = heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature, rl.eval_samples, seed=0, style=style)
+    greedy, scores = heldout_completions(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style)
+    figures = {"eval/heldout_acc": sampled, "eval/heldout_greedy_acc": sum(scores) / len(scores)}
+    return HeldOutEvaluation(figures, greedy, scores)
+
+
+def evaluate_heldout(model, tokenizer, rows: list[dict], cfg) -> dict[str, float]:
+    """The figures of :func:`heldout_evaluation`: ``eval/heldout_acc`` and ``eval/heldout_greedy_acc``."""
+    return heldout_evaluation(model, tokenizer, rows, cfg).figures

@@ -19,10 +19,12 @@ from a3po.parallel.updaters import Updater, make_updater, plain_model
 from a3po.placement.cores import update_threads
 from a3po.placement.in_process import RolloutInputs, weight_retention
 from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer, placement_name
+from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.storage.checkpoint import save_checkpoint
+from a3po.training.completions import CompletionTables
 from a3po.training.extensions import Extension, IntraCritic, ProducerCarryOver
-from a3po.training.heldout import evaluate_heldout
+from a3po.training.heldout import heldout_evaluation
 from a3po.training.lr_schedule import learning_rate
 from a3po.training.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.training.ppo_parts import PPOParts, build_ppo_parts
@@ -73,15 +75,18 @@ class HeldOut:
         self.cfg, self.policy, self.tokenizer, self.rows = cfg, policy, tokenizer, rows
         self.updater, self.store, self.ranks = updater, store, ranks
         self._copy: torch.nn.Module | None = None
+        self.greedy: tuple[list[str], list[float]] | None = None  # the last evaluation's greedy answers and scores (rank 0)
 
     def __call__(self) -> dict[str, float]:
         return self.ranks.from_main(self._evaluate() if self.ranks.is_main else None)
 
     def _evaluate(self) -> dict[str, float]:
-        if not self.updater.partitioned:
-            return evaluate_heldout(self.policy, self.tokenizer, self.rows, self.cfg)
-        self._copy = plain_model(self.policy, self.store.get(self.store.latest), self._copy)
-        return evaluate_heldout(self._copy, self.tokenizer, self.rows, self.cfg)
+        model = self.policy
+        if self.updater.partitioned:
+            model = self._copy = plain_model(self.policy, self.store.get(self.store.latest), self._copy)
+        ev = heldout_evaluation(model, self.tokenizer, self.rows, self.cfg)
+        self.greedy = (ev.greedy, ev.greedy_scores)
+        return ev.figures
 
 
 @dataclass
@@ -122,10 +127,13 @@ def rl_train(
     logger: MetricLogger | None = None,
     warmstart_acc: float | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
+    completions_dir: str | None = None,
 ) -> TrainResult:
     """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
     (raises :class:`~a3po.storage.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
-    intact) and rewinds ``logger`` to the checkpoint's step.
+    intact) and rewinds ``logger`` to the checkpoint's step. With ``completions_dir`` and
+    ``rl.log_completions`` > 0, each held-out evaluation writes a completion table there
+    (:mod:`a3po.training.completions`; tables of steps after the checkpoint are removed).
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
     alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
@@ -146,6 +154,10 @@ def rl_train(
     run = resumed or RunState(step=0, warmstart_acc=warmstart_acc, config=config_to_dict(cfg))
     resumed_from = resumed.step if resumed is not None else None  # run.step moves on with the loop
     rewind_logger(logger, run.step, run.history)  # a file logger drops lines of steps after the checkpoint
+    tables = None
+    if completions_dir and rl.log_completions and ranks.is_main:
+        tables = CompletionTables(completions_dir, rl.log_completions, train_rows, heldout_rows)
+        tables.rewind(run.step)  # the resumed run writes them again
     if store.latest < run.step:
         with updater.full_weights():  # the rollout copy reads full weights (gathered under ZeRO-3)
             store.publish(run.step, clone_state(policy))
@@ -154,6 +166,8 @@ def rl_train(
         ws_eval = heldout()
         run.warmstart_acc = ws_eval["eval/heldout_acc"]
         logger.log_metrics(ws_eval, 0)
+        if tables is not None:
+            tables.write(0, heldout=heldout.greedy)
     run.eval_curve = run.eval_curve or [(0, run.warmstart_acc)]
     producer, extensions = _start_producer(cfg, ppo, tokenizer, rollout_inputs, store, resumed, run.step, ranks)
     method, train_threads = PROXIMAL_METHODS.get(proximal_method_name(rl)), update_threads(cfg)
@@ -162,11 +176,13 @@ def rl_train(
     last_ckpt = run.path
     try:
         for step in range(run.step, rl.steps):
-            metrics = _train_next_batch(step, policy, producer, updater, store, extensions, run, cfg, method, train_threads, ranks, ppo)
+            metrics, scored = _train_next_batch(step, policy, producer, updater, store, extensions, run, cfg, method, train_threads, ranks, ppo)
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 held = heldout()
                 run.eval_curve.append((step + 1, held["eval/heldout_acc"]))
                 metrics.update(held)
+                if tables is not None:
+                    tables.write(step + 1, scored, heldout.greedy)
             run.history.append(metrics)
             run.step = step + 1
             logger.log_metrics(metrics, step + 1)
@@ -231,8 +247,9 @@ def _start_producer(
 def _train_next_batch(
     step: int, policy: torch.nn.Module, producer: Producer, updater: Updater, store: WeightStore, extensions: list[Extension],
     run: RunState, cfg: TrainConfig, method: ProximalMethod, train_threads: int, ranks: Ranks, ppo: PPOParts,
-) -> dict[str, float]:
-    """Wait for batch ``step``, update the policy on it, tell the extensions, publish version ``step + 1``."""
+) -> tuple[dict[str, float], ScoredBatch]:
+    """Wait for batch ``step``, update the policy on it, tell the extensions, publish version ``step + 1``;
+    returns the step's metrics and the batch."""
     t0 = time.perf_counter()
     scored = producer.next_batch()
     wait = time.perf_counter() - t0
@@ -249,7 +266,7 @@ def _train_next_batch(
     metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": run.train_wall_s, "version": float(step + 1)})
     metrics.update(scored.metrics)
     metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
-    return metrics
+    return metrics, scored
 
 
 def _snapshot(run: RunState, store: WeightStore, extensions: list[Extension], lag: int) -> RunState:

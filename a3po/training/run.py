@@ -76,8 +76,9 @@ def train_variant(
     logger: MetricLogger | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult | None:
-    """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``
-    and exports the final weights to ``run_dir/final`` (an HF model directory). On a rollout
+    """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``,
+    writes the completion tables to ``run_dir/completions`` (a3po.training.completions) and
+    exports the final weights to ``run_dir/final`` (an HF model directory). On a rollout
     worker's rank (``distributed.rollout_workers``) this serves the trainer batches until the run
     ends and returns None."""
     run_dir = Path(run_dir)
@@ -96,6 +97,7 @@ def train_variant(
     result = rl_train(
         cfg, model, tokenizer, train_rows, heldout_rows,
         ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
+        completions_dir=str(run_dir / "completions"),
     )
     if not ranks.is_main:
         return result  # trainer ranks other than 0 write nothing
