@@ -175,13 +175,29 @@ def test_micro_run_per_method_logs_the_correction(core_stub_rewards, core_one_th
     assert ("correction/seq_ratio_p50" in res.history[0]) == (mode == "mis")
 
 
-def test_none_is_the_run_without_the_correction_fields(core_stub_rewards, core_one_thread):
-    # The default computes nothing new and logs no correction/*; thresholds left at null, the run
-    # equals one of a config that never had the fields (what the run-equality tests pin).
-    res = _micro_run({"variant": "loglinear"})
-    assert not any(k.startswith("correction/") for k in res.history[0])
-    again = _micro_run({"variant": "loglinear", "rollout_correction": "none"})
-    assert [h["loss/policy"] for h in res.history] == [h["loss/policy"] for h in again.history]
+@pytest.mark.parametrize(
+    "rl, forwards_per_step",
+    [
+        ({"variant": "sync"}, 2),  # the two minibatches' training forwards, nothing else: today's step
+        ({"variant": "sync", "rollout_correction": "tis"}, 3),  # + one no-grad forward of the weights that sampled
+        ({"variant": "sync", "proximal": "recompute"}, 3),  # the proximal forward...
+        ({"variant": "sync", "proximal": "recompute", "rollout_correction": "tis"}, 3),  # ...is the trainer's log-prob: no more
+    ],
+)
+def test_the_trainer_runs_an_extra_forward_only_where_a_correction_needs_one(core_stub_rewards, core_one_thread, monkeypatch, rl,
+                                                                             forwards_per_step):
+    import a3po.training.step as step
+
+    calls = []
+    real = step.token_logprobs
+    monkeypatch.setattr(step, "token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    res = _micro_run(rl)
+    assert len(calls) == forwards_per_step * len(res.history)
+    # none computes and logs nothing of the correction
+    assert any(k.startswith("correction/") for k in res.history[0]) == ("rollout_correction" in rl)
+    if rl.get("proximal") == "recompute" and "rollout_correction" in rl:
+        # the trainer's behaviour log-prob is the proximal one: w' = pi_prox / pi_trainer(v) = 1 exactly (verl's decoupled mode)
+        assert all(h["stability/behav_iw_max"] == 1.0 and h["stability/behav_iw_mean"] == 1.0 for h in res.history)
 
 
 def test_tis_without_truncation_trains_as_none_up_to_rounding(core_stub_rewards, core_one_thread):
