@@ -24,6 +24,7 @@ def decoupled_ppo_loss(
     behav_weight_cap: float | None = None,
     n_tokens: torch.Tensor | int | None = None,
     return_tokens: bool = False,
+    correction: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], TokenStats]:
     """Decoupled PPO clipped loss (Hilton et al., 2022, eq. 4; AReaL, Fu et al., 2025, eq. 5).
 
@@ -37,6 +38,16 @@ def decoupled_ppo_loss(
     the sum is divided by ``mask.sum()`` including dropped tokens, so masking never inflates the
     gradient. ``eps_clip_high`` defaults to ``eps_clip`` (symmetric clip; DAPO's clip-higher
     sets it larger). With ``prox_logp == behav_logp`` this is standard PPO-clip.
+
+    Rollout correction (``a3po.algorithms.rollout_correction``): ``correction`` ``(B, T)`` holds the
+    weights ``c_t >= 0`` that replace the engine-vs-trainer mismatch ratio ``rho_t``, and the caller
+    passes the *trainer's* log-probs of the behaviour versions as ``behav_logp``, so ``w`` is the
+    staleness part alone and a token's term is ``c_t * w * max(...)``::
+
+        pi_prox / pi_engine = (pi_prox / pi_trainer(v)) * rho_t   ->   w * c_t
+
+    None (``rl.rollout_correction: none``): ``behav_logp`` is the engine's and ``w`` carries ``rho_t``
+    uncorrected, the loss as it always was.
 
     Args are ``(B, T)`` tensors; ``advantages`` may also be ``(B,)`` (one per sequence).
     ``n_tokens`` replaces ``mask.sum()`` as the denominator of the loss (not of the metrics):
@@ -72,6 +83,10 @@ def decoupled_ppo_loss(
     if behav_weight_cap is not None:
         keep = mask & (behav_w <= behav_weight_cap)
     per_token = per_token * behav_w * keep.to(logp.dtype)
+    if correction is not None:
+        require_same_shape(logp=logp, correction=correction)
+        require_finite("correction", correction.detach(), mask)
+        per_token = per_token * torch.where(mask, correction.detach().to(logp.dtype), torch.zeros_like(logp))
     denom = fmask.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=logp.dtype)
     loss = per_token.sum() / denom.clamp(min=1)
 

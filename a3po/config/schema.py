@@ -11,6 +11,7 @@ from typing import Literal
 from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, CorrectionSettings
 from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, PromptFormat, TaskName
 from a3po.devices import Device, DType
 
@@ -221,6 +222,24 @@ class RLConfig:
     grad_clip: float = 1.0
     """Largest global gradient norm of an update (> 0). Not optional: to train unclipped, set a
     norm no update reaches (e.g. 1e6)."""
+    rollout_correction: str = "none"
+    """Correction of the engine-vs-trainer mismatch of the behaviour log-probs
+    (``a3po.algorithms.rollout_correction``, docs/variants.md): 'none' (the loss as it is), 'tis'
+    (token-level truncated IS), 'mis' (sequence-level masked IS), 'icepop' (token masking outside a
+    band). On, the trainer's log-probs of each token's behaviour version are computed (sync: one
+    forward at the start of the step, free with recompute; async: by the producer, one forward per
+    version) and the mismatch ratio's weight replaces it in the loss."""
+    rollout_correction_cap: float | None = None
+    """Upper threshold (> 1): tis's C (default 2), mis's upper bound (sequence 2, geometric 1.001)
+    or truncation cap, icepop's beta (5). null: the method's default; must be null with 'none'."""
+    rollout_correction_lower: float | None = None
+    """Lower threshold in (0, 1): mis mask's (default 1 / cap), icepop's alpha (0.5). tis and mis
+    truncate have none. null: the method's default."""
+    rollout_correction_level: Literal["sequence", "geometric"] | None = None
+    """mis only: the sequence ratio, 'sequence' (product of the token ratios, default) or 'geometric'
+    (their geometric mean; rejection only)."""
+    rollout_correction_mode: Literal["mask", "truncate"] | None = None
+    """mis only: 'mask' (drop a sequence outside [lower, cap], default) or 'truncate' (cap its weight)."""
     eval_samples: int = 4
     """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
     eval_every: int = 50
@@ -279,10 +298,33 @@ class RLConfig:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
                 raise KeyError(f"rl.{name}: {e.args[0]}") from None
+        self._check_rollout_correction()
         if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
             # A group of one is its own mean: every advantage would be 0 and nothing would learn.
             raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
                              "estimator needs rl.group_size >= 2 (each sample is compared with its group's others)")
+
+    def _check_rollout_correction(self) -> None:
+        try:
+            method = ROLLOUT_CORRECTIONS.get(self.rollout_correction)
+        except KeyError as e:
+            raise KeyError(f"rl.rollout_correction: {e.args[0]}") from None
+        s = correction_settings(self)
+        for option in ("cap", "lower", "level", "mode"):
+            if getattr(s, option) is not None and option not in method.options:
+                used = ", ".join(f"rl.rollout_correction_{o}" for o in sorted(method.options)) or "none"
+                raise ValueError(f"rl.rollout_correction_{option} is set but rl.rollout_correction {self.rollout_correction!r} "
+                                 f"does not read it (it reads: {used})")
+        if s.cap is not None and not 1 < s.cap <= 1e6:
+            # A cap <= 1 would cut (or drop) the ratio of tokens the two numerics agree on.
+            raise ValueError(f"rl.rollout_correction_cap must be in (1, 1e6], got {s.cap}")
+        if s.lower is not None and not 0 < s.lower < 1:
+            raise ValueError(f"rl.rollout_correction_lower must be in (0, 1), got {s.lower}")
+        try:
+            method.resolve(s)
+        except ValueError as e:
+            raise ValueError(f"rl.rollout_correction {self.rollout_correction!r} with rl.rollout_correction_level "
+                             f"{s.level!r}, rl.rollout_correction_mode {s.mode!r}: {e}") from None
 
 
 
@@ -355,6 +397,12 @@ def proximal_method_name(rl: RLConfig) -> str:
     return rl.proximal or rl.variant.proximal_method
 
 
+def correction_settings(rl: RLConfig) -> CorrectionSettings:
+    """The rollout correction's thresholds as configured (the method fills in its defaults)."""
+    return CorrectionSettings(rl.rollout_correction_cap, rl.rollout_correction_lower, rl.rollout_correction_level,
+                              rl.rollout_correction_mode)
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     """Data-parallel trainer ranks under DeepSpeed (see ``a3po.parallel.ranks``), launched by
@@ -411,8 +459,21 @@ class RolloutConfig:
     """The torch engine's incremental decoder (``a3po.models.decoders``): 'auto' (the fast one registered
     for the model's type, e.g. qwen2 / llama, where it covers the config; else the model's own
     forward), 'generic' (always the model's own forward with a DynamicCache), or a registered name."""
+    dtype: DType | None = None
+    """The torch engine's weight dtype: null (the trainer's, ``dtype``) or 'bfloat16' / 'float32'. A
+    bf16 engine beside an fp32 trainer samples from a bf16 copy of each version: an engine whose
+    log-probs differ from the trainer's, as a bf16 inference engine's do (what
+    ``rl.rollout_correction`` corrects). The torch engine only: vLLM runs in ``dtype``."""
 
     def __post_init__(self) -> None:
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", DType(self.dtype))
+            except ValueError:
+                raise ValueError(f"rollout.dtype must be null or one of {[e.value for e in DType]}, got {self.dtype!r}") from None
+            if self.engine != "torch":
+                raise ValueError(f"rollout.dtype is for the torch engine; the {self.engine} engine runs in the trainer's dtype "
+                                 "(set dtype, or leave rollout.dtype null)")
         try:
             engine = ROLLOUT_ENGINE_NAMES.get(self.engine)
         except KeyError as e:
@@ -534,6 +595,15 @@ class TrainConfig:
         if self.oppo.inter and self.distributed.rollout_workers:
             # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
             raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
+        if self.rl.rollout_correction != "none" and self.oppo.inter:
+            # Carried tokens keep only their version numbers, and the overlap producer re-scores nothing.
+            raise ValueError("rl.rollout_correction with oppo.inter is not supported yet: the trainer's log-probs of a carried "
+                             "token's behaviour version are not kept; use oppo.inter: false")
+        if self.rl.rollout_correction != "none" and self.distributed.rollout_workers and effective_max_staleness(self.rl) > 0:
+            # Async: the producer re-scores each batch (a3po.algorithms.rollout_correction.trainer_logp_source);
+            # rollout workers do not send those log-probs back yet. Sync computes them in the trainer.
+            raise ValueError("rl.rollout_correction with distributed.rollout_workers needs every token on-policy (rl.variant sync "
+                             "or rl.max_staleness 0): asynchronously the workers would have to send the trainer's log-probs back")
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")

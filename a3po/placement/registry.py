@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from a3po.algorithms.proximal import PROXIMAL_METHODS
-from a3po.config import DistributedConfig, proximal_method_name
+from a3po.algorithms.rollout_correction import trainer_logp_source
+from a3po.config import DistributedConfig, effective_max_staleness, proximal_method_name
 from a3po.parallel.ranks import Ranks
 from a3po.placement.in_process import RolloutInputs, local_producer
 from a3po.placement.rollout_workers import RemoteRollouts
@@ -47,9 +48,12 @@ def placement_name(distributed: DistributedConfig) -> str:
 
 @ROLLOUT_PLACEMENTS.register("in_process")
 def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
-    # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward.
-    checks = PROXIMAL_METHODS.get(proximal_method_name(inp.cfg.rl)).checks_behaviour
-    check = BehaviourCheck(inp.policy, store.get, inp.cfg.rl.temperature) if checks else None
+    # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward;
+    # an asynchronous rollout correction keeps that forward's log-probs for the loss.
+    rl = inp.cfg.rl
+    checks = PROXIMAL_METHODS.get(proximal_method_name(rl)).checks_behaviour
+    keep = trainer_logp_source(rl.rollout_correction, effective_max_staleness(rl)) == "producer"
+    check = BehaviourCheck(inp.policy, store.get, rl.temperature, keep_logp=keep, share_prompt=rl.shared_prompt_forward) if checks or keep else None
     # Up to the run's last batch: a batch past it would read a version the store no longer keeps.
     return local_producer(inp, store, start, end=inp.cfg.rl.steps, check=check)
 

@@ -147,7 +147,7 @@ class RolloutProducer(threading.Thread):
         stride: int = 1,
         end: int | None = None,
         mid_batch_updates: bool = True,
-        check: Callable[[RolloutBatch], dict[str, float]] | None = None,
+        check: Callable[[RolloutBatch], dict[str, float | torch.Tensor]] | None = None,
         stream: StreamHook | None = None,
         threads: int | None = None,
     ) -> None:
@@ -213,7 +213,8 @@ class RolloutProducer(threading.Thread):
         streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
         scored = self._score(j, rollout, t0, streamed, stream_metrics, record_stream=True)
         if self.check is not None:  # e.g. the engine's log-prob mismatch (rollout/*); not part of the producing time
-            scored.metrics.update(self.check(rollout))
+            for name, value in self.check(rollout).items():  # figures to metrics, per-token tensors beside the streamed ones
+                (scored.streamed if isinstance(value, torch.Tensor) else scored.metrics)[name] = value
         return scored
 
     def _score(

@@ -73,7 +73,8 @@ def _build_torch(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tens
     # The producer samples from its own copy of the policy, on the policy's device and in its dtype.
     with torch.device(model_device(policy)):  # built in place: no CPU initialisation of a large model
         engine_model = type(policy)(policy.config)
-    engine_model.to(dtype=model_dtype(policy))
+    # rollout.dtype (e.g. bf16 beside an fp32 trainer): each version loads into the engine's dtype.
+    engine_model.to(dtype=cfg.rollout.dtype.torch if cfg.rollout.dtype is not None else model_dtype(policy))
     engine_model.load_state_dict(state)
     return RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=version,
                          decoder=cfg.rollout.decoder)

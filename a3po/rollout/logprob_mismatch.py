@@ -29,22 +29,31 @@ class BehaviourCheck:
     """Re-scores a rollout with a torch copy of the policy at each token's recorded version.
 
     ``weights(version)`` returns that version's state dict (the controller's WeightStore.get).
-    Runs in the producer thread, one extra forward per version present in the batch."""
+    Runs in the producer thread, one extra forward per version present in the batch.
 
-    def __init__(self, policy: torch.nn.Module, weights, temperature: float) -> None:
+    ``keep_logp``: also return the trainer's log-probs ``(N, L)`` themselves, as
+    ``trainer_behav_logp`` (the rollout correction's numerator, ``a3po.algorithms.rollout_correction``),
+    from the trainer's own forward (response columns only, ``share_prompt`` as the trainer runs it)."""
+
+    def __init__(self, policy: torch.nn.Module, weights, temperature: float, keep_logp: bool = False, share_prompt: bool = False) -> None:
         from a3po.devices import model_device, model_dtype
 
         with torch.device(model_device(policy)):
             self.model = type(policy)(policy.config)
         self.model.to(dtype=model_dtype(policy)).eval()
         self.weights, self.temperature = weights, temperature
+        self.keep_logp, self.share_prompt = keep_logp, share_prompt
 
     @torch.no_grad()
-    def __call__(self, batch: RolloutBatch) -> dict[str, float]:
+    def __call__(self, batch: RolloutBatch) -> dict[str, float | torch.Tensor]:
         trainer_logp = torch.zeros_like(batch.behav_logp)
+        forward = dict(start=batch.prompt_len, share_prompt=self.share_prompt) if self.keep_logp else {}
         for v in batch.versions[batch.response_mask].unique().tolist():
             self.model.load_state_dict(self.weights(int(v)))
-            logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
+            logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature, **forward)
             here = batch.response_mask & (batch.versions == v)
             trainer_logp = torch.where(here, logp, trainer_logp)
-        return behaviour_mismatch(batch.behav_logp, trainer_logp, batch.response_mask)
+        figures: dict[str, float | torch.Tensor] = dict(behaviour_mismatch(batch.behav_logp, trainer_logp, batch.response_mask))
+        if self.keep_logp:
+            figures["trainer_behav_logp"] = trainer_logp
+        return figures

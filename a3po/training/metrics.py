@@ -9,7 +9,9 @@ the step's batch, all minibatches together.
 ``reward/mean``, ``reward/std``         reward of the training batch (grader score, 0..1)
 ``stability/behav_iw_mean|p99|max``     behaviour importance weight pi_prox / pi_behav (the
                                         off-policy correction) over the step's tokens
-                                        (``a3po.algorithms.stability``)
+                                        (``a3po.algorithms.stability``); with a rollout
+                                        correction pi_behav is the trainer's log-prob of the
+                                        behaviour version (the staleness part alone)
 ``stability/behav_iw_capped_frac``      fraction of the step's tokens with that weight above
                                         ``rl.behav_weight_cap`` (dropped from the loss)
 ``stability/trust_ratio_mean|p99|max``  trust-region ratio pi_theta / pi_prox, same tokens
@@ -27,10 +29,27 @@ the step's batch, all minibatches together.
 ``prox/approx_abs_err|approx_iw_err``   (``proximal: metrics``) mean |loglinear - recomputed|
                                         log-prob, and the mean |exp(difference) - 1| it puts
                                         into the importance weight
-``rollout/behav_logp_abs_err|_max``     (``proximal: metrics``) mean and max |engine -
-                                        trainer| behaviour log-prob of the same weights
+``rollout/behav_logp_abs_err|_max``     (``proximal: metrics``, or a rollout correction) mean
+                                        and max |engine - trainer| behaviour log-prob of the
+                                        same weights
 ``rollout/behav_iw_err``                ... and the mean |exp(difference) - 1| it puts into
                                         the behaviour weight
+``correction/ratio_p50|p99|max``        (``rl.rollout_correction`` on) engine-vs-trainer ratio
+                                        rho = pi_trainer(v) / pi_engine(v) of the step's
+                                        tokens at their behaviour version v
+                                        (``a3po.algorithms.rollout_correction``)
+``correction/masked_frac``              fraction of the step's tokens the correction dropped
+                                        (weight 0: icepop's band, mis's rejected sequences)
+``correction/truncated_frac``           ... whose weight it cut to the cap (tis, mis truncate)
+``correction/seq_masked_frac``          fraction of the batch's sequences with every token
+                                        dropped
+``correction/weight_mean``              mean correction weight c_t over the step's tokens
+``correction/seq_ratio_p50|p99|max``    (mis) the sequence ratio it thresholds: the product
+                                        of rho, or its geometric mean (level geometric)
+``correction/time_s``                   wall time to obtain the trainer's behaviour log-probs
+                                        and the weights in the step (sync: a forward unless
+                                        recompute ran one; async: the producer's re-scoring
+                                        is not in it)
 ``perf/step_time_s``                    wall time of the training step (rollout wait excluded)
 ``perf/wait_time_s``                    time the trainer waited for rollouts
 ``perf/gen_time_s``                     wall time the producer spent generating the batch

@@ -1,8 +1,9 @@
 """The RL training step.
 
 One step reads top to bottom: rollout (already produced, maybe stale) -> rewards (grader or
-reward model) -> reference KL -> critic values -> advantages -> proximal log-probs ->
-minibatch updates of the decoupled PPO loss (and the critic's value loss) -> metrics. The PPO
+reward model) -> reference KL -> critic values -> advantages -> proximal log-probs -> rollout
+correction (``rl.rollout_correction``; none by default) -> minibatch updates of the decoupled
+PPO loss (and the critic's value loss) -> metrics. The PPO
 parts (:mod:`a3po.training.ppo_parts`) act only when configured; without them the step is GRPO's. The variants
 differ only in the proximal method and the staleness bound, both resolved before the loop.
 """
@@ -18,14 +19,16 @@ from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from a3po.algorithms.losses import decoupled_ppo_loss
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import ProximalMethod, ProxInputs
+from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, trainer_logp_source
 from a3po.algorithms.stability import TokenStats, stability_metrics
 from a3po.algorithms.value import between_prompt_share, explained_variance, token_rewards
-from a3po.config import RLConfig
+from a3po.config import RLConfig, correction_settings, effective_max_staleness
 from a3po.devices import synchronize
 from a3po.models.logprobs import token_logprobs
 from a3po.parallel.ranks import Ranks
 from a3po.parallel.updaters import LocalUpdater, Updater
 from a3po.producer.producer import ScoredBatch
+from a3po.rollout.logprob_mismatch import behaviour_mismatch
 from a3po.training.ppo_parts import PPOParts
 
 
@@ -44,6 +47,17 @@ class ScoredTokens:
     values: torch.Tensor | None
     returns: torch.Tensor | None
     group_ids: torch.Tensor
+    metrics: dict[str, float]
+
+
+@dataclass
+class BehaviourCorrection:
+    """What the loss divides by and multiplies with: the behaviour log-probs ``(N, L)`` (the
+    engine's, or with a rollout correction the trainer's of the same versions), the correction's
+    weights ``(N, L)`` (None: none), and the correction/* figures."""
+
+    behav_logp: torch.Tensor
+    weights: torch.Tensor | None
     metrics: dict[str, float]
 
 
@@ -95,6 +109,47 @@ def proximal_anchor(policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig,
     return exact_prox, time.perf_counter() - t0
 
 
+def rollout_correction(
+    policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig, staleness: torch.Tensor, exact_prox: torch.Tensor | None
+) -> BehaviourCorrection:
+    """The engine-vs-trainer mismatch of the behaviour log-probs, corrected by ``rl.rollout_correction``
+    (``a3po.algorithms.rollout_correction``): ``log rho_t = log pi_trainer(v) - log pi_engine(v)`` per
+    generated token, the method's weights ``c_t``, and the trainer's log-probs for the loss's ``w``.
+
+    The trainer's log-probs of the behaviour versions come from where they are cheapest exactly
+    (:func:`~a3po.algorithms.rollout_correction.trainer_logp_source`): every token on-policy (sync),
+    the weights before this update, so the proximal forward when the method ran one (recompute)
+    and one no-grad forward here otherwise; asynchronously, the producer's re-scoring of each
+    version (``scored.streamed['trainer_behav_logp']``). With ``none`` nothing is computed."""
+    batch = scored.rollout
+    source = trainer_logp_source(cfg.rollout_correction, effective_max_staleness(cfg))
+    if source is None:
+        return BehaviourCorrection(batch.behav_logp, None, {})
+    resp, device = batch.response_mask, batch.input_ids.device
+    synchronize(device)
+    t0 = time.perf_counter()
+    if source == "trainer":
+        if bool((staleness[resp] != 0).any()):  # the weights before this update are not every token's behaviour version
+            raise RuntimeError("rollout correction from the trainer's forward needs every token on-policy (staleness 0)")
+        trainer_logp = exact_prox
+        if trainer_logp is None:
+            with torch.no_grad():
+                trainer_logp = token_logprobs(policy, batch.input_ids, batch.attention_mask, cfg.temperature, start=batch.prompt_len,
+                                              share_prompt=cfg.shared_prompt_forward)
+            synchronize(device)
+    else:
+        trainer_logp = scored.streamed.get("trainer_behav_logp")
+        if trainer_logp is None:
+            raise RuntimeError(f"batch {scored.index} has no trainer log-probs of its behaviour versions: the producer must "
+                               "re-score it (a3po.rollout.logprob_mismatch.BehaviourCheck with keep_logp)")
+    log_ratio = torch.where(resp, trainer_logp - batch.behav_logp, torch.zeros_like(batch.behav_logp))
+    corr = ROLLOUT_CORRECTIONS.get(cfg.rollout_correction)(log_ratio, resp, correction_settings(cfg))
+    metrics = {**corr.metrics, "correction/time_s": time.perf_counter() - t0}
+    if source == "trainer":  # the producer reports these itself when it re-scores
+        metrics.update(behaviour_mismatch(batch.behav_logp, trainer_logp, resp))
+    return BehaviourCorrection(torch.where(resp, trainer_logp, batch.behav_logp), corr.weights, metrics)
+
+
 def update_minibatch(
     policy: torch.nn.Module,
     updater: Updater,
@@ -107,11 +162,14 @@ def update_minibatch(
     method: ProximalMethod,
     ranks: Ranks,
     ppo: PPOParts,
+    behav: BehaviourCorrection | None = None,
 ) -> MinibatchResult:
     """One optimizer step of the decoupled PPO loss on the minibatch ``mb`` (row indices), this
     rank training on its shard; the critic learns the returns on the same rows. The metrics are
-    those of the whole minibatch on every rank."""
+    those of the whole minibatch on every rank. ``behav``: the rollout correction (None: none)."""
     batch, adv = scored.rollout, tokens.advantages
+    behav = behav if behav is not None else BehaviourCorrection(batch.behav_logp, None, {})
+    weights = behav.weights
     ids, attn, resp, device = batch.input_ids, batch.attention_mask, batch.response_mask, batch.input_ids.device
     rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
     logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len,
@@ -132,8 +190,8 @@ def update_minibatch(
     # Token mean over the whole minibatch, whatever the number of ranks sharing it.
     minibatch_tokens = ranks.sum(resp[rows].sum())
     loss, loss_metrics, token_stats = decoupled_ppo_loss(
-        logp, prox, batch.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
-        n_tokens=minibatch_tokens, return_tokens=True,
+        logp, prox, behav.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
+        n_tokens=minibatch_tokens, return_tokens=True, correction=None if weights is None else weights[rows],
     )
     grad_norm = updater.update(loss)
     if ranks.world_size > 1:
@@ -143,8 +201,8 @@ def update_minibatch(
             ProxInputs(batch.behav_logp[mb], logp, staleness[mb], resp[mb], recompute_logp=lambda mb=mb: exact_prox[mb])
         )
         _, loss_metrics, token_stats = decoupled_ppo_loss(
-            logp, prox, batch.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
-            return_tokens=True,
+            logp, prox, behav.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
+            return_tokens=True, correction=None if weights is None else weights[mb],
         )
     metrics = {**loss_metrics, **prox_metrics, "policy/grad_norm": grad_norm}
     if tokens.returns is not None:  # the critic learns the returns on the same minibatch
@@ -210,12 +268,15 @@ def train_step(
     staleness = torch.where(batch.response_mask, version - batch.versions, torch.full_like(batch.versions, -1))
     # 3. Proximal anchor = the weights before this update.
     exact_prox, prox_time = proximal_anchor(policy, scored, cfg, method)
+    # 3b. Rollout correction: the trainer's log-probs of the behaviour versions against the engine's.
+    behav = rollout_correction(policy, scored, cfg, staleness, exact_prox)
+    tokens.metrics.update(behav.metrics)
     # 4. Minibatch updates of the decoupled PPO loss. The order is drawn on the CPU and moved:
     #    the same minibatches on every device.
     split = MINIBATCH_SPLITS.get(cfg.minibatch_split)
     perm = split(tokens.group_ids, torch.Generator().manual_seed(minibatch_seed(cfg.seed, version))).to(batch.input_ids.device)
     policy.train()
-    done = [update_minibatch(policy, updater, scored, mb, tokens, staleness, exact_prox, cfg, method, ranks, ppo)
+    done = [update_minibatch(policy, updater, scored, mb, tokens, staleness, exact_prox, cfg, method, ranks, ppo, behav)
             for mb in perm.chunk(cfg.minibatches)]
     policy.eval()
     if tokens.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
