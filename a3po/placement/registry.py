@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.config import DistributedConfig, proximal_method_name
 from a3po.parallel.ranks import Ranks
-from a3po.placement.in_process import RolloutInputs, local_producer
+from a3po.placement.in_process import RolloutInputs, engine_weights, local_producer
 from a3po.placement.rollout_workers import RemoteRollouts
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore
@@ -49,7 +49,7 @@ def placement_name(distributed: DistributedConfig) -> str:
 def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
     # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward.
     checks = PROXIMAL_METHODS.get(proximal_method_name(inp.cfg.rl)).checks_behaviour
-    check = BehaviourCheck(inp.policy, store.get, inp.cfg.rl.temperature) if checks else None
+    check = BehaviourCheck(inp.policy, engine_weights(inp.policy, store), inp.cfg.rl.temperature) if checks else None
     # Up to the run's last batch: a batch past it would read a version the store no longer keeps.
     return local_producer(inp, store, start, end=inp.cfg.rl.steps, check=check)
 
