@@ -223,10 +223,12 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(core_stub_rewards, tmp_
     assert_same_final_state((resumed[0], resumed[1].state_dict()), (full[0], full[1].state_dict()))
 
 
+@pytest.mark.slow  # ~5 s: a warm start and a run saved as model folders, two evaluations
 def test_the_exported_model_is_the_merged_policy_in_a_plain_folder(core_stub_rewards, tmp_path):
     from a3po.training.run import prepare_warmstart, train_variant
 
-    cfg = with_overrides(preset("micro"), model={"lora": LORA}, rl={"steps": 2}, warm_start={"steps": 0})
+    cfg = with_overrides(preset("micro"), model={"lora": LORA}, rl={"steps": 2, "eval_samples": 1}, warm_start={"steps": 0},
+                         data={"n_heldout": 4})
     ws_dir, ws_acc = prepare_warmstart(cfg, tmp_path / "cache", log=lambda _: None)
     train_variant(cfg, tmp_path / "run", ws_dir, ws_acc)
     exported, tok = load_pretrained(tmp_path / "run" / "final")
