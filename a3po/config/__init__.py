@@ -32,6 +32,7 @@ from a3po.config.schema import (
     ConfigError,
     DataConfig,
     DistributedConfig,
+    LoraConfig,
     ModelConfig,
     OppoConfig,
     PPOConfig,
@@ -48,7 +49,7 @@ from a3po.config.schema import (
 
 __all__ = [
     "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError", "DataConfig",
-    "DistributedConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig", "RolloutConfig", "TrainConfig", "Variant",
+    "DistributedConfig", "LoraConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig", "RolloutConfig", "TrainConfig", "Variant",
     "WarmStartConfig", "config_differences", "config_from_dict", "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness",
     "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "warmstart_key", "with_overrides",
 ]

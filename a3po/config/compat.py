@@ -72,7 +72,9 @@ def warmstart_key(cfg: TrainConfig) -> str:
     figure, so every variant and seed of a comparison shares one warm start."""
     # The held-out measure depends on the RL sampling settings, so they are part of the key.
     measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
-    parts = {"model": dataclasses.asdict(cfg.model), "data": data_identity(cfg.data),
+    # LoRA applies after the warm start (full fine-tuning either way): runs with and without it share one.
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "lora"}
+    parts = {"model": model, "data": data_identity(cfg.data),
              "warm_start": dataclasses.asdict(cfg.warm_start), "measure": measure}
     # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
     # made before devices were configurable keep their names.

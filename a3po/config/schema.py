@@ -80,6 +80,36 @@ class ArithmeticDifficulty:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) through peft: each targeted linear layer computes
+    ``W0 x + (alpha / r) B A x`` with ``W0`` frozen and only ``A`` ``(r, in)`` and ``B`` ``(out, r)``
+    trained (``B`` starts at 0, so RL starts from the warm start exactly). See ``a3po.models.lora``."""
+
+    r: int = 8
+    """Rank of each adapter."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's update is multiplied by ``alpha / r``."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names (last path component) of the linear layers that get an adapter; the defaults are
+    every projection of a Qwen2 / Llama decoder layer."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training. Above 0 the training forward differs from
+    the engine's and the proximal forward (both in eval mode), and a resumed run no longer equals
+    an uninterrupted one bit for bit (the masks come from torch's global generator)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.r < 1:
+            raise ValueError(f"model.lora.r must be >= 1, got {self.r}")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or not all(isinstance(m, str) and m.strip() for m in self.target_modules):
+            raise ValueError(f"model.lora.target_modules must be a non-empty list of module names, got {list(self.target_modules)}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "tiny"
     """A built-in architecture (micro, tiny, small: built from a Qwen2 config with the in-code
@@ -87,6 +117,11 @@ class ModelConfig:
     :data:`a3po.catalog.MODEL_SOURCE_NAMES`) or a local path / hub name of any causal LM."""
     init_seed: int = 0
     """Seed of the random initialisation of built-in architectures."""
+    lora: LoraConfig | None = None
+    """null: full fine-tuning (every weight trains). Set: RL trains LoRA adapters on the warm
+    start (the warm start itself is full fine-tuning, shared with full-fine-tuning runs); the
+    rollout engine samples with the adapters merged, checkpoints hold the adapters, and the
+    exported model has them merged (a plain model folder)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -611,7 +646,23 @@ class TrainConfig:
             raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
         if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
             raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
+        if self.model.lora is not None:
+            self._check_lora()
         if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None:
             raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
                              "rank would start its own engine; data-parallel ranks use the torch engine")
 
+    def _check_lora(self) -> None:
+        """The combinations LoRA does not run with (yet), each with its reason."""
+        if self.distributed.deepspeed_config is not None:
+            raise ValueError("model.lora with distributed.deepspeed_config is not supported yet: the ZeRO updater, its "
+                             "checkpoints and its gathered weights hold the full model, not adapters; train LoRA in one process")
+        if self.distributed.rollout_workers:
+            raise ValueError("model.lora with distributed.rollout_workers is not supported yet: the workers receive the "
+                             "full state's layout and have no adapters to merge; use rollout_workers: 0")
+        if self.ppo.critic != "none":
+            raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the critic copies the policy's "
+                             "backbone (whose layers peft has wrapped) and trains all of it, the full-size update LoRA avoids")
+        if self.rollout.engine != "torch":
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with model.lora is not supported yet: only the torch "
+                             "engine's copy is built from merged weights and checked against the trainer here; use rollout.engine torch")

@@ -115,10 +115,20 @@ def _llama_like_supported(model: torch.nn.Module) -> bool:
     # Forward hooks (tests scripting outputs, instrumentation) must keep firing: this path calls
     # no module's forward but the head's.
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model.lm_head)
-    return (not hooked and getattr(cfg, "hidden_act", None) == "silu" and rope in _STATIC_ROPE
+    return (not hooked and _plain_layers(core) and getattr(cfg, "hidden_act", None) == "silu" and rope in _STATIC_ROPE
             and all(t == "full_attention" for t in layer_types) and not getattr(cfg, "use_sliding_window", False)
             and getattr(cfg, "pretraining_tp", 1) == 1 and hasattr(core, "rotary_emb")
             and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm") for layer in core.layers))
+
+
+def _plain_layers(core: torch.nn.Module) -> bool:
+    """Whether every weight this path reads is a plain ``nn.Linear`` / ``nn.Embedding``'s: a wrapped
+    layer (peft's LoRA layer adds ``B A x`` to its base's output) would be decoded without it."""
+    names = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    layers = getattr(core, "layers", None)
+    return (isinstance(getattr(core, "embed_tokens", None), torch.nn.Embedding) and layers is not None
+            and all(isinstance(getattr(getattr(layer, part, None), n, None), torch.nn.Linear) for layer in layers
+                    for part, ns in names.items() for n in ns))
 
 
 def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -198,7 +198,7 @@ def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, rank
     """The trainer's AdamW (:func:`a3po.algorithms.optimizers.adamw`; the rate is set per step) behind the right updater."""
     from a3po.algorithms.optimizers import adamw
 
-    optimizer = adamw(policy.parameters(), rl.lr)
+    optimizer = adamw([p for p in policy.parameters() if p.requires_grad], rl.lr)  # with LoRA: the adapters alone
     if deepspeed_config is None:
         return LocalUpdater(policy, optimizer, rl.grad_clip)
     ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)

@@ -11,6 +11,7 @@ import torch
 
 from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates
 from a3po.data.datasets import prompt_style
+from a3po.models.lora import MergedWeights, is_lora
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
 from a3po.placement.cores import generate_threads
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
@@ -39,7 +40,12 @@ def local_producer(
     in a trainer process and in a rollout worker. ``check(rollout)``: extra per-batch figures."""
     rl, tok = inp.cfg.rl, inp.tokenizer
     s = effective_max_staleness(rl)
-    engine = build_engine(inp.policy, tok, store.get(store.latest), store.latest, inp.cfg)
+    # With LoRA the store holds adapters: the engine's plain copy of the policy loads them merged.
+    merge = MergedWeights(inp.policy) if is_lora(inp.policy) else None
+    state = store.get(store.latest)
+    engine = build_engine(inp.policy, tok, state if merge is None else merge(state), store.latest, inp.cfg)
+    if merge is not None:
+        engine = MergingEngine(engine, merge)
     batch_size = rl.batch_prompts * rl.group_size
     # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
     oppo = inp.cfg.oppo
@@ -65,6 +71,30 @@ def local_producer(
         stream=inp.intra,
         threads=generate_threads(inp.cfg),
     )
+
+
+def engine_weights(policy: torch.nn.Module, store: WeightStore) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``version -> state dict`` of the plain model the engine (and the log-prob check) runs: the
+    store's version itself, or with LoRA its adapters merged into the frozen base."""
+    if not is_lora(policy):
+        return store.get
+    merge = MergedWeights(policy)
+    return lambda version: merge(store.get(version))
+
+
+class MergingEngine:
+    """An engine whose weight loads take a LoRA policy's adapter versions (what the store holds)
+    and hand it the merged weights (``W0 + s B A``, :class:`~a3po.models.lora.MergedWeights`): one
+    merge per version loaded; every other attribute is the engine's own."""
+
+    def __init__(self, engine, merge: MergedWeights) -> None:
+        self._engine, self._merge = engine, merge
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self._engine.load_weights(self._merge(state), version)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
 
 
 def weight_retention(cfg: TrainConfig, end: int | None = None) -> Retention:

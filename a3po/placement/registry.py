@@ -16,7 +16,7 @@ from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import trainer_logp_source
 from a3po.config import DistributedConfig, effective_max_staleness, proximal_method_name
 from a3po.parallel.ranks import Ranks
-from a3po.placement.in_process import RolloutInputs, local_producer
+from a3po.placement.in_process import RolloutInputs, engine_weights, local_producer
 from a3po.placement.rollout_workers import RemoteRollouts
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore
@@ -53,7 +53,8 @@ def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks)
     rl = inp.cfg.rl
     checks = PROXIMAL_METHODS.get(proximal_method_name(rl)).checks_behaviour
     keep = trainer_logp_source(rl.rollout_correction, effective_max_staleness(rl)) == "producer"
-    check = BehaviourCheck(inp.policy, store.get, rl.temperature, keep_logp=keep, share_prompt=rl.shared_prompt_forward) if checks or keep else None
+    check = (BehaviourCheck(inp.policy, engine_weights(inp.policy, store), rl.temperature, keep_logp=keep, share_prompt=rl.shared_prompt_forward)
+             if checks or keep else None)
     # Up to the run's last batch: a batch past it would read a version the store no longer keeps.
     return local_producer(inp, store, start, end=inp.cfg.rl.steps, check=check)
 

@@ -1,5 +1,6 @@
 """Versioned policy weights shared by the trainer (which publishes them) and the producer (which
-samples with them), and the rule for how long a version is kept.
+samples with them), and the rule for how long a version is kept. A version is what training
+changes (:func:`clone_state`): the whole state dict, or with ``model.lora`` the adapters alone.
 
 A version is kept while a batch not yet trained can still read it: a batch in flight or queued,
 one admitted later, one regenerated after a resume from a checkpoint written now (samples carried
@@ -15,14 +16,18 @@ from typing import Callable
 
 import torch
 
+from a3po.models.lora import trained_state
+
 
 class Stopped(Exception):
     """The controller was shut down while a thread was waiting."""
 
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the weights on the model's own device and dtype."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A copy of the weights training changes, on the model's own device and dtype: the whole
+    state dict, or a LoRA policy's adapters alone (its frozen base is the same in every version;
+    :mod:`a3po.models.lora`)."""
+    return {k: v.detach().clone() for k, v in trained_state(model).items()}
 
 
 class Retention:

@@ -14,6 +14,7 @@ import torch
 from a3po.algorithms.proximal import PROXIMAL_METHODS, ProximalMethod
 from a3po.config import TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
 from a3po.grading.rewards import check_grader, score_completions
+from a3po.models.lora import load_trained_state, trained_state, with_lora
 from a3po.parallel.ranks import Ranks, init_ranks
 from a3po.parallel.updaters import Updater, make_updater, plain_model
 from a3po.placement.cores import update_threads
@@ -59,7 +60,7 @@ def save_rank_checkpoint(ckpt_dir: str, run: RunState, policy: torch.nn.Module, 
     rank 0, None elsewhere."""
     optimizer_state = updater.optimizer_state()
     with updater.full_weights():  # every rank enters: a gather under ZeRO-3
-        policy_state = (clone_state(policy) if updater.partitioned else policy.state_dict()) if ranks.is_main else None
+        policy_state = (clone_state(policy) if updater.partitioned else trained_state(policy)) if ranks.is_main else None
     if not ranks.is_main:
         return None
     state = {"policy": policy_state, "optimizer": optimizer_state, **run.to_checkpoint()}
@@ -133,7 +134,8 @@ def rl_train(
     (raises :class:`~a3po.storage.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
     intact) and rewinds ``logger`` to the checkpoint's step. With ``completions_dir`` and
     ``rl.log_completions`` > 0, each held-out evaluation writes a completion table there
-    (:mod:`a3po.training.completions`; tables of steps after the checkpoint are removed).
+    (:mod:`a3po.training.completions`; tables of steps after the checkpoint are removed). With
+    ``model.lora`` peft injects adapters into ``policy`` (:func:`a3po.models.lora.with_lora`) and only they train.
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
     alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
@@ -145,6 +147,7 @@ def rl_train(
         raise RuntimeError("rl_train runs on trainer ranks; a rollout worker's rank serves batches (a3po.placement.rollout_workers.serve_rollouts)")
     logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
     progress = progress if ranks.is_main else None
+    policy = with_lora(policy, cfg.model.lora)  # model.lora: adapters injected in place; only they train
     rollout_inputs = checked_rollout_inputs(cfg, policy, tokenizer, train_rows)
     # The reference is the policy as it is now (the warm start), so build before a checkpoint loads.
     ppo = build_ppo_parts(cfg.ppo, policy, rl.temperature)
@@ -209,7 +212,7 @@ def _restore(cfg: TrainConfig, policy: torch.nn.Module, ppo: PPOParts, resumed: 
     """The updater (optimizer) and the store of policy versions, with the checkpoint's weights,
     optimizer state, PPO parts and the versions the producer still needs when ``resumed``."""
     if resumed is not None:
-        policy.load_state_dict(resumed.policy)  # before DeepSpeed copies the weights into its partitions
+        load_trained_state(policy, resumed.policy)  # before DeepSpeed copies the weights into its partitions
     updater = make_updater(policy, cfg.rl, cfg.distributed.deepspeed_config, ranks)
     store = WeightStore(weight_retention(cfg))  # a version while a batch not yet trained can read it
     if resumed is not None:
@@ -263,7 +266,8 @@ def _train_next_batch(
     with updater.full_weights():
         store.publish(step + 1, clone_state(policy))
     run.train_wall_s += wait + metrics["perf/step_time_s"]
-    metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": run.train_wall_s, "version": float(step + 1)})
+    metrics.update({"perf/wait_time_s": wait, "time/train_wall_s": run.train_wall_s, "version": float(step + 1),
+                    "weights/store_mb": store.nbytes() / 2**20})
     metrics.update(scored.metrics)
     metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
     return metrics, scored

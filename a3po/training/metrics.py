@@ -62,6 +62,9 @@ the step's batch, all minibatches together.
 ``time/train_wall_s``                   trainer wall clock so far: rollout waits + steps,
                                         evaluations excluded (time to target reads it)
 ``version``                             the policy version after this step
+``weights/store_mb``                    MiB of policy versions the weight store keeps after
+                                        this step (full weights, or with ``model.lora``
+                                        the adapters alone)
 ``response/length_mean``                generated tokens per sample
 ``response/truncated_frac``             fraction of samples cut at ``rl.max_new_tokens``
 ``eval/heldout_acc``                    held-out accuracy, **sampled**: mean@n

@@ -19,6 +19,7 @@ from a3po.config import TrainConfig, preflight, warmstart_key
 from a3po.data.datasets import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
+from a3po.models.lora import is_lora, merged_model
 from a3po.parallel.ranks import init_ranks
 from a3po.parallel.updaters import plain_model
 from a3po.placement.cores import own_cores
@@ -78,7 +79,8 @@ def train_variant(
 ) -> TrainResult | None:
     """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``,
     writes the completion tables to ``run_dir/completions`` (a3po.training.completions) and
-    exports the final weights to ``run_dir/final`` (an HF model directory). On a rollout
+    exports the final weights to ``run_dir/final`` (an HF model directory; with ``model.lora``
+    the adapters merged into the base weights, so it loads like any model of the base's class). On a rollout
     worker's rank (``distributed.rollout_workers``) this serves the trainer batches until the run
     ends and returns None."""
     run_dir = Path(run_dir)
@@ -103,6 +105,8 @@ def train_variant(
         return result  # trainer ranks other than 0 write nothing
     if result.final_weights is not None:  # the module is ZeRO-3 partitioned: export the gathered weights
         model = plain_model(model, result.final_weights)
+    elif is_lora(model):  # the adapters merged into the base: a plain folder of the base's class
+        model = merged_model(model)
     save_pretrained_atomic(model, tokenizer, run_dir / "final")
     (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
     return result

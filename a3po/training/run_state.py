@@ -5,11 +5,14 @@ On disk (:func:`a3po.storage.checkpoint.save_checkpoint`) a checkpoint is one fl
 ``step``, ``policy``, ``optimizer``, ``weights_history``, ``history``, ``eval_curve``,
 ``train_wall_s``, ``warmstart_acc``, ``config``, and the entries of the run's extensions
 (:mod:`a3po.training.extensions`: ``critic`` / ``critic_optimizer``, ``oppo_state``,
-``intra_critic_history`` / ``intra_state``) under their own keys.
+``intra_critic_history`` / ``intra_state``) under their own keys. With ``model.lora``, ``policy``,
+``weights_history`` and ``optimizer`` hold the adapters alone (and their AdamW state): the frozen
+base is the warm start, which the run loads again.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -88,7 +91,8 @@ def resume(ckpt_dir: str | None, cfg: TrainConfig, on_skip: Callable[[str], None
         return None
     path, state = found
     run = RunState.from_checkpoint(state, path)
-    changed = config_differences(run.config, config_to_dict(cfg))
+    # Compared as the checkpoint stores it: through JSON (a tuple, e.g. model.lora.target_modules, reads back as a list).
+    changed = config_differences(run.config, json.loads(json.dumps(config_to_dict(cfg))))
     if changed:
         raise CheckpointError(
             f"{path} was saved by a run with a different config ({', '.join(changed)} differ); "
