@@ -175,7 +175,9 @@ def _pinned_child(conn) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or usable_cores() < 2, reason="needs CPU affinity and 2 cores")
 def test_a_rollout_worker_pins_itself_to_its_cores():
-    ctx = multiprocessing.get_context("spawn")  # a fresh process: the test's own affinity stays as it is
+    # A child process: the test's own affinity stays as it is. Forked, not spawned (no second torch
+    # import); the child runs no torch op, so the parent's OpenMP pool cannot deadlock it.
+    ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_pinned_child, args=(child,))
     p.start()
