@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -41,9 +40,10 @@ def _env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}
 
 
-def _config(tmp: Path, workers: int, schedule: str = "deterministic", max_staleness: int = 2, zero_stage: int | None = None) -> Path:
-    path = tmp / f"config-w{workers}-{schedule}-s{max_staleness}-zero{zero_stage}.yaml"
-    ds = f", deepspeed_config: {REPO_ROOT / f'infra/deepspeed_zero{zero_stage}.json'}" if zero_stage else ""
+def _config(tmp: Path, workers: int, schedule: str = "deterministic", max_staleness: int = 2, deepspeed_json: Path | None = None) -> Path:
+    name = f"-{deepspeed_json.stem}" if deepspeed_json else ""
+    path = tmp / f"config-w{workers}-{schedule}-s{max_staleness}{name}.yaml"
+    ds = f", deepspeed_config: {deepspeed_json}" if deepspeed_json else ""
     path.write_text(
         "warm_start: {steps: 150, batch_size: 32}\n"
         f"rl: {{steps: {STEPS}, batch_prompts: 8, group_size: 4, minibatches: 2, max_new_tokens: 12, lr: 1.0e-3,\n"
@@ -145,32 +145,47 @@ def test_staleness_bound_holds_across_processes_in_the_free_running_schedule(run
 
 # --- DeepSpeed trainer ranks and a rollout worker in one launch -----------------------------------
 #
-# torchrun --nproc_per_node 3, rollout_workers 1, ZeRO-2: ranks 0 and 1 train data-parallel over a
-# group of their own (DeepSpeed is handed it, a3po.parallel.updaters.TrainerGroup), rank 2
-# generates. The worker's batches are the single process's, bit for bit (above); rank 0 hands
-# each to rank 1 and each trains on its half of every minibatch, as the 2-rank run of
-# tests/test_distributed.py does. So the run equals the single process within that module's
-# tolerances (float summation order over 2 ranks; its docstring derives them); the discrete
-# figures (rewards, lengths, staleness, held-out accuracy) exactly.
-# Measured (ZeRO-2, this config): weights 1.8e-7 max abs apart; worst metric
-# stability/trust_ratio_max 7.6e-6 abs on 2.45 (3.1e-6 relative), loss 6.1e-8 abs.
+# torchrun --nproc_per_node 3, rollout_workers 1: ranks 0 and 1 train data-parallel under ZeRO-2
+# or ZeRO-3 in a world of their own (a3po.parallel.ranks.init_ranks), rank 2 generates. The
+# worker's batches are the single process's, bit for bit (above); rank 0 hands each to rank 1 and
+# each trains on its half of every minibatch, as the 2-rank runs of tests/test_distributed.py do.
+# So the run equals the single process within that module's tolerances (float summation order
+# over 2 ranks; its docstring derives them), the discrete figures (rewards, lengths, staleness,
+# held-out accuracy) exactly. Measured (this config): ZeRO-2 weights 1.8e-7 max abs apart, worst
+# metric stability/trust_ratio_max 7.6e-6 abs on 2.45 (3.1e-6 relative), loss 6.1e-8 abs; ZeRO-3
+# (every parameter partitioned) weights 3.4e-7, worst policy/approx_kl 2.2e-6 relative, loss 2.2e-8 abs.
 RTOL, ATOL, WEIGHTS_ATOL = 1e-4, 1e-6, 1e-5
 
 
-@pytest.fixture(scope="module")
-def zero2_run(runs):
-    """The uninterrupted 2 ZeRO-2 trainer ranks + 1 rollout worker run (the single run's warm start)."""
+def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
+    """The shipped JSON; ZeRO-3 with every parameter partitioned (the micro model's are all below
+    the shipped persistence threshold, which would keep them whole and leave nothing to gather)."""
+    shipped = REPO_ROOT / f"infra/deepspeed_zero{zero_stage}.json"
+    if zero_stage != 3:
+        return shipped
+    ds = json.loads(shipped.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp / "deepspeed_zero3_partition_all.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def _zero_run(runs: dict, zero_stage: int) -> dict:
+    """The uninterrupted 2 ZeRO trainer ranks + 1 rollout worker run (the single run's warm start), once per module."""
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed (pip install -e '.[distributed]')")
-    tmp = runs["tmp"]
-    _share_warmstart(tmp / "single", tmp / "zero2")
-    return _train(_config(tmp, 1, zero_stage=2), tmp / "zero2", nproc=3)
+    if zero_stage not in runs:
+        tmp = runs["tmp"]
+        _share_warmstart(tmp / "single", tmp / f"zero{zero_stage}")
+        runs[zero_stage] = _train(_config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage)), tmp / f"zero{zero_stage}", nproc=3)
+    return runs[zero_stage]
 
 
 @pytest.mark.slow
-def test_two_zero2_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run(runs, zero2_run):
-    single, run = runs["single"], zero2_run
-    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (2, 2, 1)
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run(runs, zero_stage):
+    single, run = runs["single"], _zero_run(runs, zero_stage)
+    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (2, zero_stage, 1)
     assert_same_trajectory(single, run, STEPS, RTOL, ATOL)
     ws, wr = _final_weights(single), _final_weights(run)
     assert ws.keys() == wr.keys()
@@ -180,7 +195,7 @@ def test_two_zero2_trainer_ranks_and_a_rollout_worker_equal_the_single_process_r
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun_resumes_exactly(runs, zero2_run):
+def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun_resumes_exactly(runs):
     """SIGKILL of the worker (rank 2) once a checkpoint exists: torchrun names rank 2 and its
     signal, no process of the launch is left, and the same command resumes every rank (both
     optimizer partitions are in the checkpoint) to the uninterrupted run's end, exactly."""
@@ -190,7 +205,7 @@ def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun
 
     tmp, out = runs["tmp"], runs["tmp"] / "zero2-killed"
     _share_warmstart(tmp / "single", out)
-    config = _config(tmp, 1, zero_stage=2)
+    config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, 2))
     proc = subprocess.Popen(_command(config, out, 3), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
@@ -213,7 +228,7 @@ def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun
 
     resumed = _train(config, out, nproc=3)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    _assert_same_run(zero2_run, resumed)
+    _assert_same_run(_zero_run(runs, 2), resumed)
 
 
 # --- fast -------------------------------------------------------------------------------------
@@ -248,21 +263,18 @@ def test_rollout_worker_config_errors_name_the_field(tmp_path):
 
 
 @pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
-def test_deepspeed_ranks_with_rollout_workers_run_at_zero1_and_zero2_and_zero3_is_refused_with_the_reason():
-    from a3po.config import ConfigError, config_from_dict, preflight
+def test_deepspeed_ranks_with_rollout_workers_are_accepted_at_every_zero_stage_and_vllm_beside_them_is_refused():
+    from a3po.config import config_from_dict, preflight
 
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         shipped = str(REPO_ROOT / f"infra/deepspeed_zero{stage}.json")
         cfg = preflight(config_from_dict({"distributed": {"rollout_workers": 1, "deepspeed_config": shipped}}))
-        assert cfg.distributed.rollout_workers == 1
-    zero3 = str(REPO_ROOT / "infra/deepspeed_zero3.json")
-    with pytest.raises(ConfigError, match=re.escape(f"distributed.deepspeed_config {zero3} is ZeRO stage 3, which DeepSpeed runs over "
-                                                    "every process of the launch, rollout workers included")):
-        preflight(config_from_dict({"distributed": {"rollout_workers": 1, "deepspeed_config": zero3}}))
-    preflight(config_from_dict({"distributed": {"deepspeed_config": zero3}}))  # without workers it runs
-    # Every DeepSpeed rank would start its own vLLM engine; with workers the torch engine alone is wired.
+        assert (cfg.distributed.rollout_workers, cfg.distributed.deepspeed_config) == (1, shipped)
+    # The workers build the torch engine's producer; without workers every DeepSpeed rank would start its own vLLM.
     with pytest.raises(ValueError, match="rollout.engine 'vllm' with oppo.inter or distributed.rollout_workers"):
-        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"rollout_workers": 1, "deepspeed_config": zero3}})
+        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"rollout_workers": 1, "deepspeed_config": shipped}})
+    with pytest.raises(ValueError, match="rollout.engine 'vllm' with distributed.deepspeed_config: every trainer rank would start its own engine"):
+        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"deepspeed_config": shipped}})
 
 
 def test_several_trainer_ranks_beside_workers_without_deepspeed_are_refused_before_joining(monkeypatch):

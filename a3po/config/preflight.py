@@ -88,11 +88,5 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     if ds is not None:
         if not deepspeed_available():
             raise ConfigError(f"distributed.deepspeed_config is set but DeepSpeed is not installed: {INSTALL_HINT}")
-        stage = zero_stage(read_deepspeed_json(ds, cfg.rl.grad_clip))
-        if stage == 3 and cfg.distributed.rollout_workers:
-            # DeepSpeed 0.19's ZeRO-3 checks its parameter trace by broadcasts over the whole world and
-            # builds its optimizer between world barriers: the rollout workers would have to take part.
-            raise ConfigError(f"distributed.deepspeed_config {ds} is ZeRO stage 3, which DeepSpeed runs over every process of "
-                              "the launch, rollout workers included: with distributed.rollout_workers use ZeRO-1 or ZeRO-2 "
-                              "(infra/deepspeed_zero2.json), or ZeRO-3 without rollout workers")
+        read_deepspeed_json(ds, cfg.rl.grad_clip)
     return cfg

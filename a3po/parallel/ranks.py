@@ -22,8 +22,10 @@ The optimizer step is in :mod:`a3po.parallel.updaters`, the DeepSpeed JSON's che
 from __future__ import annotations
 
 import os
+import pickle
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -35,16 +37,14 @@ class Ranks:
 
     With rollout workers (``distributed.rollout_workers``, :mod:`a3po.placement.rollout_workers`) the launch
     is ``world_size`` trainer ranks followed by ``rollout_workers`` processes that only generate;
-    the trainer collectives below (``shard``, ``sum``, ``gather_rows``, ``from_main``, ``barrier``)
-    concern the trainer ranks (over ``group``), ``share`` the whole launch."""
+    the trainer ranks form torch's default world (DeepSpeed's), so the trainer collectives below
+    (``shard``, ``sum``, ``gather_rows``, ``from_main``, ``barrier``) are theirs alone; ``share``
+    reaches the whole launch (a :class:`Link` of its own, see :func:`init_ranks`)."""
 
     rank: int = 0
     world_size: int = 1  # trainer ranks
     local_rank: int = 0
     rollout_workers: int = 0
-    # The trainer ranks' process group when it is not the launch's whole world (rollout workers
-    # beside several trainer ranks); None: the default group, which is then the trainer ranks.
-    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_rollout_worker(self) -> bool:
@@ -72,7 +72,7 @@ class Ranks:
         if self.world_size == 1:
             return x
         x = x.detach().clone()
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
         return x
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class Ranks:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.detach().contiguous(), group=self.group)
+        torch.distributed.all_gather(parts, x.detach().contiguous())
         return torch.cat(parts, dim=0)
 
     def gather_to_main(self, obj: Any) -> list[Any] | None:
@@ -89,7 +89,7 @@ class Ranks:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.is_main else None
-        torch.distributed.gather_object(obj, out, dst=0, group=self.group)
+        torch.distributed.gather_object(obj, out, dst=0)
         return out
 
     def from_main(self, obj: Any) -> Any:
@@ -97,20 +97,22 @@ class Ranks:
         if self.world_size == 1:
             return obj
         box = [obj if self.is_main else None]
-        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every process of the launch, rollout workers included."""
         if self.launch_size == 1:
             return obj
+        if self.rollout_workers:
+            return launch_links().launch.share(obj)
         box = [obj if self.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            torch.distributed.barrier(group=self.group)
+            torch.distributed.barrier()
 
 
 def ranks_from_env(environ: Mapping[str, str] = os.environ, rollout_workers: int = 0) -> Ranks:
@@ -138,9 +140,9 @@ def ranks_from_env(environ: Mapping[str, str] = os.environ, rollout_workers: int
 def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     """Join the trainer ranks (idempotent). Without a DeepSpeed config this is one plain process,
     and a launch of several ranks is refused: they would train independent copies into one folder.
-    With rollout workers: the trainer ranks and the workers in one gloo world (see
-    :func:`launch_groups`; the weights and samples travel through host memory, see
-    a3po.placement.rollout_workers)."""
+    With rollout workers: torch's world is the trainer ranks' (under DeepSpeed), the workers
+    reach trainer rank 0 through links of their own (:func:`_join_launch`; the weights and samples
+    travel through host memory, see a3po.placement.rollout_workers)."""
     ranks = ranks_from_env(rollout_workers=rollout_workers)
     if deepspeed_config is None and ranks.world_size > 1:
         if rollout_workers:
@@ -165,54 +167,91 @@ def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     return ranks
 
 
+class Link:
+    """A gloo process group of its own over some processes of the launch, outside torch's default
+    world (which is the trainer ranks'): built on the launcher's rendezvous store under its own
+    prefix. Its ranks are the positions in ``members`` (global ranks), so the launch's rank 0 is
+    the link's rank 0 whenever it is a member. Blocking calls, one thread per link at a time."""
+
+    def __init__(self, store: Any, name: str, members: list[int], launch_rank: int) -> None:
+        self.rank, self.size = members.index(launch_rank), len(members)
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(f"a3po/{name}/", store), self.rank, self.size, _TIMEOUT)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([t], opts).wait()
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.pg.recv([t], src, 0).wait()
+
+    def share(self, obj: Any) -> Any:
+        """Link rank 0's ``obj`` on every member, pickled in memory between the processes of this
+        launch only (as ``broadcast_object_list`` does)."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast(size, 0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast(buf, 0)
+        return obj if self.rank == 0 else pickle.loads(bytes(buf.numpy()))
+
+
+_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo
+
+
 @dataclass(frozen=True)
-class LaunchGroups:
-    """The process groups of a launch with rollout workers (trainer ranks ``0..N-1``, workers
-    ``N..N+M-1``), made once per process by :func:`init_ranks`: ``new_group`` is collective over
-    the whole launch, so every process makes them all, in this order."""
+class LaunchLinks:
+    """What a process of a launch with rollout workers (trainer ranks ``0..T-1``, workers
+    ``T..T+N-1``) talks over besides the trainers' world, made once per process by :func:`init_ranks`."""
 
-    trainers: Any  # ranks 0..N-1: DeepSpeed's data-parallel group (None without DeepSpeed); the accelerator's backend
-    weights: Any  # rank 0 + workers, gloo: every version, broadcast from rank 0
-    samples: Any  # rank 0 + workers, gloo: each worker's batches, sent to rank 0
-    batches: Any  # ranks 0..N-1, gloo: rank 0 broadcasts each batch to the other trainer ranks (None with one)
-
-
-_launch: tuple[Ranks, LaunchGroups] | None = None
+    launch: Link  # every process: Ranks.share
+    weights: Link | None  # rank 0 + workers: every version, broadcast from rank 0
+    samples: Link | None  # rank 0 + workers: each worker's batches, sent to rank 0
+    batches: Any  # ranks 0..T-1, a gloo group of the trainers' world: rank 0 broadcasts each batch (None with one trainer)
 
 
-def launch_groups() -> LaunchGroups:
-    """This process's groups of a launch with rollout workers (after :func:`init_ranks`)."""
+_launch: tuple[Ranks, LaunchLinks] | None = None
+
+
+def launch_links() -> LaunchLinks:
+    """This process's links of a launch with rollout workers (after :func:`init_ranks`)."""
     if _launch is None:
-        raise RuntimeError("launch_groups() before init_ranks() with distributed.rollout_workers")
+        raise RuntimeError("launch_links() before init_ranks() with distributed.rollout_workers")
     return _launch[1]
 
 
 def _join_launch(ranks: Ranks, deepspeed: bool) -> Ranks:
-    """The launch's world is gloo on every process (control messages, weights and samples go
-    through host memory); the trainer ranks' own group, under DeepSpeed, takes the accelerator's
-    backend (nccl on CUDA), so their gradients never leave the devices."""
+    """Torch's default world is the trainer ranks' alone, so DeepSpeed (whose world it is: ZeRO-3
+    checks its parameter trace and builds its optimizer over the whole world) sees data-parallel
+    ranks only, with the accelerator's backend (nccl on CUDA). Rank 0 reaches the workers, and
+    the launch its processes, through gloo :class:`Link` s of their own on the launcher's store:
+    control messages, weights and samples through host memory."""
     global _launch
     if _launch is not None:
         return _launch[0]
     dist = torch.distributed
-    if not dist.is_initialized():
-        if torch.cuda.is_available():  # each process on its own GPU when there are enough
-            torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
-        dist.init_process_group("gloo")  # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
-    trainer_ranks, rollout_members = list(range(ranks.world_size)), [0, *range(ranks.world_size, ranks.launch_size)]
-    # A process outside a group only takes part in naming it: the backend is built by its members.
-    backend = _accelerator_backend() if deepspeed and not ranks.is_rollout_worker else None
-    groups = LaunchGroups(
-        trainers=dist.new_group(trainer_ranks, backend=backend) if deepspeed else None,
-        weights=dist.new_group(rollout_members, backend="gloo"),
-        samples=dist.new_group(rollout_members, backend="gloo"),
-        batches=dist.new_group(trainer_ranks, backend="gloo") if ranks.world_size > 1 else None,
-    )
+    if torch.cuda.is_available():  # each process on its own GPU when there are enough
+        torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+    store, _, _ = next(dist.rendezvous("env://"))  # the launcher's store (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+    batches = None
     if deepspeed and not ranks.is_rollout_worker:
-        _init_deepspeed_comm()  # adopts the launch's world; DeepSpeed is handed the trainers' group (a3po.parallel.updaters)
-    joined = replace(ranks, group=None if ranks.is_rollout_worker else groups.trainers)
-    _launch = (joined, groups)
-    return joined
+        dist.init_process_group(_accelerator_backend(), store=dist.PrefixStore("a3po/trainers/", store), rank=ranks.rank,
+                                world_size=ranks.world_size, timeout=_TIMEOUT)
+        _init_deepspeed_comm()  # adopts the trainers' world
+        batches = dist.new_group(list(range(ranks.world_size)), backend="gloo") if ranks.world_size > 1 else None
+    rollout = [0, *range(ranks.world_size, ranks.launch_size)]
+    in_rollout = ranks.rank in rollout
+    links = LaunchLinks(
+        launch=Link(store, "launch", list(range(ranks.launch_size)), ranks.rank),
+        weights=Link(store, "weights", rollout, ranks.rank) if in_rollout else None,
+        samples=Link(store, "samples", rollout, ranks.rank) if in_rollout else None,
+        batches=batches,
+    )
+    _launch = (ranks, links)
+    return ranks
 
 
 def _accelerator_backend() -> str:

@@ -100,11 +100,8 @@ class DeepSpeedUpdater:
             "gradient_clipping": grad_clip,
         }
         self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
-        # With rollout workers in the launch the world is more than the trainer ranks: DeepSpeed is
-        # handed their group (its ``mpu`` interface) and does its data parallelism over it alone.
-        # (ZeRO-3 is refused with rollout workers: a3po.config.preflight says why.)
-        mpu = TrainerGroup(ranks) if ranks.rollout_workers else None
-        self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False)
+        # The world is the trainer ranks' alone, rollout workers or not (a3po.parallel.ranks.init_ranks).
+        self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
         self.model = self.engine
         self.partitioned = self.stage == 3
 
@@ -183,37 +180,6 @@ class DeepSpeedUpdater:
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups],
             "state": [{k: v.detach().clone() for k, v in self._optimizer.state.get(p, {}).items()} for p in self._master()],
         }
-
-
-class TrainerGroup:
-    """DeepSpeed's ``mpu`` argument (Megatron's parallel-state interface, the names DeepSpeed asks
-    for) describing data parallelism over the trainer ranks' group alone: no tensor, pipeline or
-    sequence parallelism. DeepSpeed then takes this group for its gradient reduction, its ZeRO
-    partitions and gathers, and its batch-size arithmetic (``train_batch_size = micro x N``)."""
-
-    def __init__(self, ranks: Ranks) -> None:
-        self.ranks = ranks
-
-    def get_data_parallel_group(self) -> Any:
-        return self.ranks.group
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.ranks.world_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.ranks.rank
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(range(self.ranks.world_size))
-
-    def get_model_parallel_group(self) -> None:
-        return None  # no model parallelism: ZeRO skips its collectives over a None group (deepspeed.comm.pg_utils.is_parallel)
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
 
 
 def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor], into: torch.nn.Module | None = None) -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """Rollout workers in processes of their own (``distributed.rollout_workers: N``).
 
 The launch is T trainer ranks (global ranks 0..T-1; T > 1 under DeepSpeed, data parallel over
-their own group) followed by N rollout workers (ranks T..T+N-1), e.g. ``torchrun
+their own world) followed by N rollout workers (ranks T..T+N-1), e.g. ``torchrun
 --nproc_per_node 2`` with ``rollout_workers: 1`` (one trainer) or ``--nproc_per_node 3`` with
 ``rollout_workers: 1`` and ``distributed.deepspeed_config`` (two ZeRO trainer ranks). Trainer
 rank 0 ("the trainer" below) talks to the workers. Worker ``k`` generates batches
@@ -10,7 +10,8 @@ same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward
 under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
 single-process run, bit for bit.
 
-Two gloo groups over {trainer rank 0, workers}, each used by one thread per process:
+Two gloo links (:class:`a3po.parallel.ranks.Link`: process groups of their own, outside the
+trainer ranks' world) over {trainer rank 0, workers}, each used by one thread per process:
 
 * **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
   layout, the versions that follow at once: the checkpoint's history on resume), then every
@@ -23,7 +24,7 @@ Two gloo groups over {trainer rank 0, workers}, each used by one thread per proc
   grader counters, generation time). Index ``-1`` carries a worker's error text instead.
 
 With several trainer ranks, rank 0 broadcasts each batch, in the same framing, to the others over
-a third gloo group of the trainer ranks (:class:`SharedRollouts`); each trains on its shard.
+a gloo group of the trainers' world (:class:`SharedRollouts`); each trains on its shard.
 
 The staleness bound holds across processes: a worker admits batch ``j`` only once *it* has
 received version ``j - max_staleness`` (:class:`a3po.producer.producer.Admission` on its own store),
@@ -47,23 +48,24 @@ import torch
 import torch.distributed as dist
 
 from a3po.devices import model_device
-from a3po.parallel.ranks import Ranks, launch_groups
+from a3po.parallel.ranks import Link, Ranks, launch_links
 from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
 
-TRAINER = 0  # global rank of the trainer
+TRAINER = 0  # global rank of the trainer, and its rank in the weights and samples links (worker k's is 1 + k)
 STOP = -1  # weight header: the run is over; batch header index: an error text follows
 
 Layout = list[list[Any]]  # [[name, dtype, shape], ...] in state-dict order
 
 
-def rollout_groups() -> tuple[Any, Any]:
-    """(weights group, samples group) over trainer rank 0 and the workers, made by
-    :func:`a3po.parallel.ranks.init_ranks` on every process of the launch."""
-    groups = launch_groups()
-    return groups.weights, groups.samples
+def rollout_links() -> tuple[Link, Link]:
+    """(weights link, samples link) over trainer rank 0 and the workers, made by
+    :func:`a3po.parallel.ranks.init_ranks`."""
+    links = launch_links()
+    assert links.weights is not None and links.samples is not None, "only trainer rank 0 and the workers talk over these"
+    return links.weights, links.samples
 
 
 # --- weights: one byte buffer per version --------------------------------------------------------
@@ -92,30 +94,30 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dic
     return out
 
 
-def _broadcast_json(obj: Any, group: Any) -> Any:
+def _broadcast_json(obj: Any, link: Link) -> Any:
     """The trainer's ``obj`` on every member (JSON text: nothing received can run code)."""
-    is_src = dist.get_rank() == TRAINER
+    is_src = link.rank == TRAINER
     data = json.dumps(obj).encode() if is_src else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=TRAINER, group=group)
+    link.broadcast(size, TRAINER)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=TRAINER, group=group)
+    link.broadcast(buf, TRAINER)
     return json.loads(bytes(buf.numpy()))
 
 
-def _push_version(version: int, state: dict[str, torch.Tensor], group: Any) -> None:
-    dist.broadcast(torch.tensor([version], dtype=torch.int64), src=TRAINER, group=group)
-    dist.broadcast(pack_state(state), src=TRAINER, group=group)
+def _push_version(version: int, state: dict[str, torch.Tensor], link: Link) -> None:
+    link.broadcast(torch.tensor([version], dtype=torch.int64), TRAINER)
+    link.broadcast(pack_state(state), TRAINER)
 
 
-def _receive_version(layout: Layout, device: torch.device, group: Any) -> tuple[int, dict[str, torch.Tensor] | None]:
+def _receive_version(layout: Layout, device: torch.device, link: Link) -> tuple[int, dict[str, torch.Tensor] | None]:
     header = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(header, src=TRAINER, group=group)
+    link.broadcast(header, TRAINER)
     version = int(header)
     if version == STOP:
         return version, None
     buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
-    dist.broadcast(buf, src=TRAINER, group=group)
+    link.broadcast(buf, TRAINER)
     return version, unpack_state(buf, layout, device)
 
 
@@ -168,17 +170,17 @@ def _take_batch(take: Callable[[torch.Tensor], Any], device: torch.device) -> Sc
     return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"], metrics=info["metrics"])
 
 
-def send_batch(sb: ScoredBatch, group: Any) -> None:
-    _put_batch(sb, lambda t: dist.send(t, dst=TRAINER, group=group))
+def send_batch(sb: ScoredBatch, link: Link) -> None:
+    _put_batch(sb, lambda t: link.send(t, TRAINER))
 
 
-def send_failure(text: str, group: Any) -> None:
-    _put_failure(text, lambda t: dist.send(t, dst=TRAINER, group=group))
+def send_failure(text: str, link: Link) -> None:
+    _put_failure(text, lambda t: link.send(t, TRAINER))
 
 
-def receive_batch(src: int, group: Any, device: torch.device) -> ScoredBatch | str:
-    """The next batch from worker ``src``, on ``device``; or the worker's error text."""
-    return _take_batch(lambda t: dist.recv(t, src=src, group=group), device)
+def receive_batch(src: int, link: Link, device: torch.device) -> ScoredBatch | str:
+    """The next batch from the worker of link rank ``src``, on ``device``; or the worker's error text."""
+    return _take_batch(lambda t: link.recv(t, src), device)
 
 
 # --- the trainer's side --------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class RemoteRollouts:
         self.store, self.start_index, self.end = store, start, inp.cfg.rl.steps
         self.workers = list(range(ranks.world_size, ranks.launch_size))
         self.device = model_device(inp.policy)
-        self.weights_group, self.samples_group = rollout_groups()
+        self.weights_link, self.samples_link = rollout_links()
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
         self._threads = [threading.Thread(target=self._push, name="weight-push", daemon=True),
@@ -214,9 +216,9 @@ class RemoteRollouts:
         try:
             versions = self.store.versions()
             layout = state_layout(self.store.get(versions[-1]))
-            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_group)
+            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_link)
             for v in versions:
-                _push_version(v, self.store.get(v), self.weights_group)
+                _push_version(v, self.store.get(v), self.weights_link)
             last = versions[-1]
             self._hold(last + 1)
             while True:
@@ -225,12 +227,12 @@ class RemoteRollouts:
                         self.store.cond.wait(timeout=1.0)
                     latest, halting = self.store.latest, self._halt.is_set()
                 for v in range(last + 1, latest + 1):
-                    _push_version(v, self.store.get(v), self.weights_group)
+                    _push_version(v, self.store.get(v), self.weights_link)
                     last = v
                     self._hold(last + 1)
                 if halting:
                     break
-            dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=TRAINER, group=self.weights_group)
+            self.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64), TRAINER)
         except BaseException as e:
             if not self._halt.is_set():
                 self.out.put(ProducerFailed(f"sending weights to the rollout workers (ranks {self.workers}) failed: {e!r}; "
@@ -238,9 +240,10 @@ class RemoteRollouts:
 
     def _receive(self) -> None:
         for j in range(self.start_index, self.end):
-            src = self.workers[j % len(self.workers)]
+            k = j % len(self.workers)
+            src = self.workers[k]
             try:
-                got = receive_batch(src, self.samples_group, self.device)
+                got = receive_batch(1 + k, self.samples_link, self.device)
             except BaseException as e:
                 if not self._halt.is_set():
                     self.out.put(ProducerFailed(f"rollout worker rank {src} is gone (waiting for batch {j}: {e!r}); "
@@ -281,13 +284,13 @@ class RemoteRollouts:
 class SharedRollouts:
     """The producer of every trainer rank when several train (DeepSpeed data parallelism): rank 0
     takes each batch from the rollout workers (``source``, a :class:`RemoteRollouts`) and
-    broadcasts it to the other trainer ranks (the trainer ranks' gloo group), so every rank holds
+    broadcasts it to the other trainer ranks (a gloo group of the trainers' world), so every rank holds
     the whole batch and trains on its shard of each minibatch, as when each rank generates the
     whole batch itself (:mod:`a3po.parallel.ranks`). A failure on rank 0 is broadcast too: every
     trainer rank then stops with rank 0's reason."""
 
     def __init__(self, source: RemoteRollouts | None, ranks: Ranks, device: torch.device) -> None:
-        self.source, self.device, self.group = source, device, launch_groups().batches
+        self.source, self.device, self.group = source, device, launch_links().batches
 
     def _broadcast(self, t: torch.Tensor) -> None:
         dist.broadcast(t, src=TRAINER, group=self.group)
@@ -329,8 +332,8 @@ class SharedRollouts:
 def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
     sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
-    weights_group, samples_group = rollout_groups()
-    hello = _broadcast_json(None, weights_group)
+    weights_link, samples_link = rollout_links()
+    hello = _broadcast_json(None, weights_link)
     layout = state_layout(inp.policy.state_dict())
     if hello["layout"] != layout:
         diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
@@ -339,7 +342,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     device = model_device(inp.policy)
     store = WeightStore(weight_retention(inp.cfg, end=hello["end"]))
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
-        store.publish(*_receive_version(layout, device, weights_group))
+        store.publish(*_receive_version(layout, device, weights_link))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
     first = hello["start"] + (k - hello["start"]) % n
     producer = local_producer(inp, store, first, stride=n, end=hello["end"])
@@ -347,7 +350,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     def receive_weights() -> None:
         try:
             while True:
-                version, state = _receive_version(layout, device, weights_group)
+                version, state = _receive_version(layout, device, weights_link)
                 if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
                     producer.out.put(None)
                     return
@@ -365,11 +368,11 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
             batch = producer.next_batch(timeout=None)
             if batch is None:  # the trainer ended the run early: its own error is the run's
                 break
-            send_batch(batch, samples_group)
+            send_batch(batch, samples_link)
             sent += 1
     except BaseException as e:
         try:  # tell the trainer why, so its error names this worker and the cause
-            send_failure(f"{e}", samples_group)
+            send_failure(f"{e}", samples_link)
         except BaseException:
             pass
         producer.stop()
