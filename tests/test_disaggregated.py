@@ -195,7 +195,8 @@ def test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_ru
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun_resumes_exactly(runs):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_resumes_exactly(runs, zero_stage):
     """SIGKILL of the worker (rank 2) once a checkpoint exists: torchrun names rank 2 and its
     signal, no process of the launch is left, and the same command resumes every rank (both
     optimizer partitions are in the checkpoint) to the uninterrupted run's end, exactly."""
@@ -203,9 +204,9 @@ def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun
 
     from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
 
-    tmp, out = runs["tmp"], runs["tmp"] / "zero2-killed"
+    tmp, out = runs["tmp"], runs["tmp"] / f"zero{zero_stage}-killed"
     _share_warmstart(tmp / "single", out)
-    config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, 2))
+    config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage))
     proc = subprocess.Popen(_command(config, out, 3), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
@@ -220,7 +221,7 @@ def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun
     assert proc.returncode != 0, "the killed run reported success"
     assert "rank      : 2" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
     left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert len(launch) >= 3 and not left, (launch, left)
+    assert len(launch) >= 2 and not left, (launch, left)  # the trainer ranks at least (the worker may be reaped already)
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < STEPS, f"the run finished (step {killed_at}) before the worker was killed"
     state = load_checkpoint(latest_checkpoint(latest.parent))
@@ -228,7 +229,7 @@ def test_killed_rollout_worker_beside_zero2_ranks_stops_the_launch_and_the_rerun
 
     resumed = _train(config, out, nproc=3)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    _assert_same_run(_zero_run(runs, 2), resumed)
+    _assert_same_run(_zero_run(runs, zero_stage), resumed)
 
 
 # --- fast -------------------------------------------------------------------------------------
