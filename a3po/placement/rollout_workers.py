@@ -21,7 +21,8 @@ trainer ranks' world) over {trainer rank 0, workers}, each used by one thread pe
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
   log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,
-  grader counters, generation time). Index ``-1`` carries a worker's error text instead.
+  grader counters, generation time, the producer's per-batch figures). Index ``-1`` carries a
+  worker's error text instead.
 
 With several trainer ranks, rank 0 broadcasts each batch, in the same framing, to the others over
 a gloo group of the trainers' world (:class:`SharedRollouts`); each trains on its shard.
