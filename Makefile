@@ -55,7 +55,8 @@ test-gpu: setup
 MULTIPROCESS_TESTS := \
 	tests/test_distributed.py::test_two_rank_zero2_matches_single_process \
 	'tests/test_distributed.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
-	tests/test_disaggregated.py::test_trainer_plus_rollout_worker_equals_the_single_process_run
+	tests/test_disaggregated.py::test_trainer_plus_rollout_worker_equals_the_single_process_run \
+	'tests/test_disaggregated.py::test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run[2]'
 # Two loopback "nodes" run in the fast tier (tests/test_launch.py: real torchrun nodes forming one
 # gloo world). Their DeepSpeed training test (tests/test_launch_training.py, make test-slow) is left
 # out here: one rank of it once aborted in DeepSpeed's CPU shm op ("terminate called without an

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from a3po.config.preflight import deepspeed_available
 from a3po.placement.rollout_workers import pack_state, state_layout, unpack_state
+from tests.support.cli_runs import assert_same_trajectory, kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
-from tests.support.cli_runs import kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import step_metrics as _metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,16 +37,18 @@ STEPS = 8
 
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "true"}
+            "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}
 
 
-def _config(tmp: Path, workers: int, schedule: str = "deterministic", max_staleness: int = 2) -> Path:
-    path = tmp / f"config-w{workers}-{schedule}-s{max_staleness}.yaml"
+def _config(tmp: Path, workers: int, schedule: str = "deterministic", max_staleness: int = 2, deepspeed_json: Path | None = None) -> Path:
+    name = f"-{deepspeed_json.stem}" if deepspeed_json else ""
+    path = tmp / f"config-w{workers}-{schedule}-s{max_staleness}{name}.yaml"
+    ds = f", deepspeed_config: {deepspeed_json}" if deepspeed_json else ""
     path.write_text(
         "warm_start: {steps: 150, batch_size: 32}\n"
         f"rl: {{steps: {STEPS}, batch_prompts: 8, group_size: 4, minibatches: 2, max_new_tokens: 12, lr: 1.0e-3,\n"
         f"     lr_warmup_steps: 0, eval_every: 4, checkpoint_every: 2, schedule: {schedule}, max_staleness: {max_staleness}}}\n"
-        f"distributed: {{rollout_workers: {workers}}}\n"
+        f"distributed: {{rollout_workers: {workers}{ds}}}\n"
     )
     return path
 
@@ -140,6 +143,95 @@ def test_staleness_bound_holds_across_processes_in_the_free_running_schedule(run
     assert max(st) == 1.0, f"the worker never ran ahead, the bound was not exercised: {st}"
 
 
+# --- DeepSpeed trainer ranks and a rollout worker in one launch -----------------------------------
+#
+# torchrun --nproc_per_node 3, rollout_workers 1: ranks 0 and 1 train data-parallel under ZeRO-2
+# or ZeRO-3 in a world of their own (a3po.parallel.ranks.init_ranks), rank 2 generates. The
+# worker's batches are the single process's, bit for bit (above); rank 0 hands each to rank 1 and
+# each trains on its half of every minibatch, as the 2-rank runs of tests/test_distributed.py do.
+# So the run equals the single process within that module's tolerances (float summation order
+# over 2 ranks; its docstring derives them), the discrete figures (rewards, lengths, staleness,
+# held-out accuracy) exactly. Measured (this config): ZeRO-2 weights 1.8e-7 max abs apart, worst
+# metric stability/trust_ratio_max 7.6e-6 abs on 2.45 (3.1e-6 relative), loss 6.1e-8 abs; ZeRO-3
+# (every parameter partitioned) weights 3.4e-7, worst policy/approx_kl 2.2e-6 relative, loss 2.2e-8 abs.
+RTOL, ATOL, WEIGHTS_ATOL = 1e-4, 1e-6, 1e-5
+
+
+def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
+    """The shipped JSON; ZeRO-3 with every parameter partitioned (the micro model's are all below
+    the shipped persistence threshold, which would keep them whole and leave nothing to gather)."""
+    shipped = REPO_ROOT / f"infra/deepspeed_zero{zero_stage}.json"
+    if zero_stage != 3:
+        return shipped
+    ds = json.loads(shipped.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp / "deepspeed_zero3_partition_all.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def _zero_run(runs: dict, zero_stage: int) -> dict:
+    """The uninterrupted 2 ZeRO trainer ranks + 1 rollout worker run (the single run's warm start), once per module."""
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed (pip install -e '.[distributed]')")
+    if zero_stage not in runs:
+        tmp = runs["tmp"]
+        _share_warmstart(tmp / "single", tmp / f"zero{zero_stage}")
+        runs[zero_stage] = _train(_config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage)), tmp / f"zero{zero_stage}", nproc=3)
+    return runs[zero_stage]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run(runs, zero_stage):
+    single, run = runs["single"], _zero_run(runs, zero_stage)
+    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (2, zero_stage, 1)
+    assert_same_trajectory(single, run, STEPS, RTOL, ATOL)
+    ws, wr = _final_weights(single), _final_weights(run)
+    assert ws.keys() == wr.keys()
+    assert max(float((ws[k] - wr[k]).abs().max()) for k in ws) <= WEIGHTS_ATOL
+    # The per-token versions came through the worker: the deterministic schedule's staleness (s = 2).
+    assert [_metrics(run)[s]["staleness/max"] for s in range(1, STEPS + 1)] == [0.0, 1.0] + [2.0] * (STEPS - 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_resumes_exactly(runs, zero_stage):
+    """SIGKILL of the worker (rank 2) once a checkpoint exists: torchrun names rank 2 and its
+    signal, no process of the launch is left, and the same command resumes every rank (both
+    optimizer partitions are in the checkpoint) to the uninterrupted run's end, exactly."""
+    import psutil
+
+    from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
+
+    tmp, out = runs["tmp"], runs["tmp"] / f"zero{zero_stage}-killed"
+    _share_warmstart(tmp / "single", out)
+    config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage))
+    proc = subprocess.Popen(_command(config, out, 3), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    latest = out / "loglinear-seed0" / "checkpoints" / "latest"
+    try:
+        kill_rank_after_first_checkpoint(proc, latest, rank=2)
+        launch = psutil.Process(proc.pid).children(recursive=True)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, "the killed run reported success"
+    assert "rank      : 2" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
+    left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert len(launch) >= 2 and not left, (launch, left)  # the trainer ranks at least (the worker may be reaped already)
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < STEPS, f"the run finished (step {killed_at}) before the worker was killed"
+    state = load_checkpoint(latest_checkpoint(latest.parent))
+    assert (state["optimizer"]["world_size"], len(state["optimizer"]["ranks"])) == (2, 2)
+
+    resumed = _train(config, out, nproc=3)
+    assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
+    _assert_same_run(_zero_run(runs, zero_stage), resumed)
+
+
 # --- fast -------------------------------------------------------------------------------------
 
 
@@ -169,10 +261,36 @@ def test_rollout_worker_config_errors_name_the_field(tmp_path):
 
     with pytest.raises(ConfigError, match="distributed.rollout_workers must be >= 0, got -1"):
         config_from_dict({"distributed": {"rollout_workers": -1}})
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    with pytest.raises((ConfigError, ValueError), match="rollout_workers .*deepspeed_config"):
-        config_from_dict({"distributed": {"rollout_workers": 1, "deepspeed_config": str(ds)}})
+
+
+@pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
+def test_deepspeed_ranks_with_rollout_workers_are_accepted_at_every_zero_stage_and_vllm_beside_them_is_refused():
+    from a3po.config import config_from_dict, preflight
+
+    for stage in (1, 2, 3):
+        shipped = str(REPO_ROOT / f"infra/deepspeed_zero{stage}.json")
+        cfg = preflight(config_from_dict({"distributed": {"rollout_workers": 1, "deepspeed_config": shipped}}))
+        assert (cfg.distributed.rollout_workers, cfg.distributed.deepspeed_config) == (1, shipped)
+    # The workers build the torch engine's producer; without workers every DeepSpeed rank would start its own vLLM.
+    with pytest.raises(ValueError, match="rollout.engine 'vllm' with oppo.inter or distributed.rollout_workers"):
+        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"rollout_workers": 1, "deepspeed_config": shipped}})
+    with pytest.raises(ValueError, match="rollout.engine 'vllm' with distributed.deepspeed_config: every trainer rank would start its own engine"):
+        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"deepspeed_config": shipped}})
+
+
+def test_several_trainer_ranks_beside_workers_without_deepspeed_are_refused_before_joining(monkeypatch):
+    """torchrun --nproc_per_node 3 with rollout_workers 1 leaves 2 trainer ranks: without a
+    DeepSpeed config they would train two copies; refused before any process group is joined."""
+    import torch.distributed as dist
+
+    from a3po.parallel.ranks import init_ranks
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(RuntimeError, match=r"launched as 3 processes with distributed.rollout_workers 1: that leaves 2 trainer ranks, "
+                                           r"but distributed.deepspeed_config is null"):
+        init_ranks(None, rollout_workers=1)
+    assert not dist.is_initialized()
 
 
 def test_ranks_split_the_launch_into_trainer_ranks_then_workers():
@@ -184,6 +302,10 @@ def test_ranks_split_the_launch_into_trainer_ranks_then_workers():
     assert (worker.is_main, worker.is_rollout_worker) == (False, True)
     with pytest.raises(ValueError, match=r"rollout_workers is 1 but the launch has 1 process\(es\).*--nproc_per_node 2"):
         ranks_from_env({}, rollout_workers=1)
+    # 2 DeepSpeed trainer ranks and a worker: ranks 0 and 1 train, rank 2 generates
+    split = [ranks_from_env({"RANK": str(r), "WORLD_SIZE": "3"}, rollout_workers=1) for r in range(3)]
+    assert [(r.world_size, r.launch_size, r.is_main, r.is_rollout_worker) for r in split] == [
+        (2, 3, True, False), (2, 3, False, False), (2, 3, False, True)]
 
 
 def test_one_process_with_a_rollout_worker_configured_fails_before_any_work(tmp_path):

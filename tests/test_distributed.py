@@ -42,8 +42,8 @@ from pathlib import Path
 import pytest
 
 from a3po.config.preflight import deepspeed_available
+from tests.support.cli_runs import assert_same_trajectory, kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
-from tests.support.cli_runs import kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import step_metrics as _metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,19 +117,7 @@ def runs(tmp_path_factory):
 
 
 def _assert_same_trajectory(a: dict, b: dict) -> None:
-    ma, mb = _metrics(a), _metrics(b)
-    assert sorted(ma) == list(range(1, STEPS + 1)), sorted(ma)
-    assert sorted(mb) == sorted(ma)
-    losses = [ma[s]["loss/policy"] for s in range(1, STEPS + 1)]
-    assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
-    for step in ma:
-        assert ma[step].keys() == mb[step].keys(), step
-        for key, va in ma[step].items():
-            vb = mb[step][key]
-            if key.startswith(("reward/", "eval/", "response/", "staleness/")) or key in ("step", "version"):
-                assert va == vb, (step, key, va, vb)  # discrete: the same tokens were sampled
-            else:
-                assert abs(va - vb) <= RTOL * abs(va) + ATOL, (step, key, va, vb)
+    assert_same_trajectory(a, b, STEPS, RTOL, ATOL)
 
 
 @needs_deepspeed

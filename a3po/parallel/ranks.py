@@ -22,8 +22,10 @@ The optimizer step is in :mod:`a3po.parallel.updaters`, the DeepSpeed JSON's che
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -35,8 +37,9 @@ class Ranks:
 
     With rollout workers (``distributed.rollout_workers``, :mod:`a3po.placement.rollout_workers`) the launch
     is ``world_size`` trainer ranks followed by ``rollout_workers`` processes that only generate;
-    the trainer collectives below (``shard``, ``sum``, ``gather_rows``, ``from_main``) concern the
-    trainer ranks, ``share`` the whole launch."""
+    the trainer ranks form torch's default world (DeepSpeed's), so the trainer collectives below
+    (``shard``, ``sum``, ``gather_rows``, ``from_main``, ``barrier``) are theirs alone; ``share``
+    reaches the whole launch (a :class:`Link` of its own, see :func:`init_ranks`)."""
 
     rank: int = 0
     world_size: int = 1  # trainer ranks
@@ -90,8 +93,7 @@ class Ranks:
         return out
 
     def from_main(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every trainer rank. (Rollout workers come with one trainer rank
-        only, so the default group is the trainer ranks whenever this is a collective.)"""
+        """Rank 0's ``obj`` on every trainer rank (rollout workers take no part)."""
         if self.world_size == 1:
             return obj
         box = [obj if self.is_main else None]
@@ -102,6 +104,8 @@ class Ranks:
         """Rank 0's ``obj`` on every process of the launch, rollout workers included."""
         if self.launch_size == 1:
             return obj
+        if self.rollout_workers:
+            return launch_links().launch.share(obj)
         box = [obj if self.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
@@ -136,38 +140,131 @@ def ranks_from_env(environ: Mapping[str, str] = os.environ, rollout_workers: int
 def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     """Join the trainer ranks (idempotent). Without a DeepSpeed config this is one plain process,
     and a launch of several ranks is refused: they would train independent copies into one folder.
-    With rollout workers: one trainer rank and the workers, a plain gloo group from the launcher's
-    environment (the weights and samples travel through host memory, see a3po.placement.rollout_workers)."""
+    With rollout workers: torch's world is the trainer ranks' (under DeepSpeed), the workers
+    reach trainer rank 0 through links of their own (:func:`_join_launch`; the weights and samples
+    travel through host memory, see a3po.placement.rollout_workers)."""
     ranks = ranks_from_env(rollout_workers=rollout_workers)
+    if deepspeed_config is None and ranks.world_size > 1:
+        if rollout_workers:
+            raise RuntimeError(
+                f"launched as {ranks.launch_size} processes with distributed.rollout_workers {rollout_workers}: that leaves "
+                f"{ranks.world_size} trainer ranks, but distributed.deepspeed_config is null: set it (e.g. "
+                f"infra/deepspeed_zero2.json) for data-parallel trainer ranks, or launch {rollout_workers + 1} processes"
+            )
+        raise RuntimeError(
+            f"launched as {ranks.world_size} ranks (WORLD_SIZE) but distributed.deepspeed_config is null: "
+            "set it (e.g. infra/deepspeed_zero2.json) or launch one process"
+        )
     if rollout_workers:
-        if deepspeed_config is not None or ranks.world_size != 1:
-            raise RuntimeError(
-                f"launched as {ranks.launch_size} processes with distributed.rollout_workers {rollout_workers}: "
-                f"that leaves {ranks.world_size} trainer ranks, but rollout workers serve one trainer rank "
-                f"without DeepSpeed; launch {rollout_workers + 1} processes"
-            )
-        if not torch.distributed.is_initialized():
-            if torch.cuda.is_available():  # each process on its own GPU when there are enough
-                torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
-            torch.distributed.init_process_group("gloo")  # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
-        return ranks
+        return _join_launch(ranks, deepspeed_config is not None)
     if deepspeed_config is None:
-        if ranks.world_size > 1:
-            raise RuntimeError(
-                f"launched as {ranks.world_size} ranks (WORLD_SIZE) but distributed.deepspeed_config is null: "
-                "set it (e.g. infra/deepspeed_zero2.json) or launch one process"
-            )
         return ranks
     if "MASTER_ADDR" not in os.environ and ranks.world_size == 1:
         # DeepSpeed without a launcher (one rank, e.g. `a3po train --config ds.yaml`): a private
         # loopback rendezvous, so init does not go looking for MPI.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    import deepspeed
+    _init_deepspeed_comm()
+    return ranks
+
+
+class Link:
+    """A gloo process group of its own over some processes of the launch, outside torch's default
+    world (which is the trainer ranks'): built on the launcher's rendezvous store under its own
+    prefix. Its ranks are the positions in ``members`` (global ranks), so the launch's rank 0 is
+    the link's rank 0 whenever it is a member. Blocking calls, one thread per link at a time."""
+
+    def __init__(self, store: Any, name: str, members: list[int], launch_rank: int) -> None:
+        self.rank, self.size = members.index(launch_rank), len(members)
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(f"a3po/{name}/", store), self.rank, self.size, _TIMEOUT)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([t], opts).wait()
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.pg.recv([t], src, 0).wait()
+
+    def share(self, obj: Any) -> Any:
+        """Link rank 0's ``obj`` on every member, pickled in memory between the processes of this
+        launch only (as ``broadcast_object_list`` does)."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast(size, 0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast(buf, 0)
+        return obj if self.rank == 0 else pickle.loads(bytes(buf.numpy()))
+
+
+_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo
+
+
+@dataclass(frozen=True)
+class LaunchLinks:
+    """What a process of a launch with rollout workers (trainer ranks ``0..T-1``, workers
+    ``T..T+N-1``) talks over besides the trainers' world, made once per process by :func:`init_ranks`."""
+
+    launch: Link  # every process: Ranks.share
+    weights: Link | None  # rank 0 + workers: every version, broadcast from rank 0
+    samples: Link | None  # rank 0 + workers: each worker's batches, sent to rank 0
+    batches: Any  # ranks 0..T-1, a gloo group of the trainers' world: rank 0 broadcasts each batch (None with one trainer)
+
+
+_launch: tuple[Ranks, LaunchLinks] | None = None
+
+
+def launch_links() -> LaunchLinks:
+    """This process's links of a launch with rollout workers (after :func:`init_ranks`)."""
+    if _launch is None:
+        raise RuntimeError("launch_links() before init_ranks() with distributed.rollout_workers")
+    return _launch[1]
+
+
+def _join_launch(ranks: Ranks, deepspeed: bool) -> Ranks:
+    """Torch's default world is the trainer ranks' alone, so DeepSpeed (whose world it is: ZeRO-3
+    checks its parameter trace and builds its optimizer over the whole world) sees data-parallel
+    ranks only, with the accelerator's backend (nccl on CUDA). Rank 0 reaches the workers, and
+    the launch its processes, through gloo :class:`Link` s of their own on the launcher's store:
+    control messages, weights and samples through host memory."""
+    global _launch
+    if _launch is not None:
+        return _launch[0]
+    dist = torch.distributed
+    if torch.cuda.is_available():  # each process on its own GPU when there are enough
+        torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+    store, _, _ = next(dist.rendezvous("env://"))  # the launcher's store (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+    batches = None
+    if deepspeed and not ranks.is_rollout_worker:
+        dist.init_process_group(_accelerator_backend(), store=dist.PrefixStore("a3po/trainers/", store), rank=ranks.rank,
+                                world_size=ranks.world_size, timeout=_TIMEOUT)
+        _init_deepspeed_comm()  # adopts the trainers' world
+        batches = dist.new_group(list(range(ranks.world_size)), backend="gloo") if ranks.world_size > 1 else None
+    rollout = [0, *range(ranks.world_size, ranks.launch_size)]
+    in_rollout = ranks.rank in rollout
+    links = LaunchLinks(
+        launch=Link(store, "launch", list(range(ranks.launch_size)), ranks.rank),
+        weights=Link(store, "weights", rollout, ranks.rank) if in_rollout else None,
+        samples=Link(store, "samples", rollout, ranks.rank) if in_rollout else None,
+        batches=batches,
+    )
+    _launch = (ranks, links)
+    return ranks
+
+
+def _accelerator_backend() -> str:
     from deepspeed.accelerator import get_accelerator
 
     # gloo with DS_ACCELERATOR=cpu, nccl on CUDA: the accelerator names its own backend.
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    return ranks
+    return get_accelerator().communication_backend_name()
+
+
+def _init_deepspeed_comm() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=_accelerator_backend())
 
 
 def _free_port() -> int:

@@ -100,6 +100,7 @@ class DeepSpeedUpdater:
             "gradient_clipping": grad_clip,
         }
         self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
+        # The world is the trainer ranks' alone, rollout workers or not (a3po.parallel.ranks.init_ranks).
         self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
         self.model = self.engine
         self.partitioned = self.stage == 3

@@ -3,9 +3,10 @@ config and sees the same interface (:class:`Producer`) whichever it gets.
 
 * ``in_process`` (``distributed.rollout_workers: 0``): a thread of the trainer process samples
   from its own copy of the policy (:func:`a3po.placement.in_process.local_producer`).
-* ``workers`` (``rollout_workers: N``): N processes of their own generate and score; the trainer
-  side pushes each weight version to them and receives their batches
-  (:class:`a3po.placement.rollout_workers.RemoteRollouts`).
+* ``workers`` (``rollout_workers: N``): N processes of their own generate and score; trainer
+  rank 0 pushes each weight version to them and receives their batches
+  (:class:`a3po.placement.rollout_workers.RemoteRollouts`), and with several (DeepSpeed) trainer
+  ranks hands each batch to the others (:class:`a3po.placement.rollout_workers.SharedRollouts`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Callable, Protocol
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import trainer_logp_source
 from a3po.config import DistributedConfig, effective_max_staleness, proximal_method_name
+from a3po.devices import model_device
 from a3po.parallel.ranks import Ranks
 from a3po.placement.in_process import RolloutInputs, engine_weights, local_producer
-from a3po.placement.rollout_workers import RemoteRollouts
+from a3po.placement.rollout_workers import RemoteRollouts, SharedRollouts
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.registry import Registry
@@ -61,4 +63,7 @@ def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks)
 
 @ROLLOUT_PLACEMENTS.register("workers")
 def workers(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> Producer:
-    return RemoteRollouts(inp, store, start, ranks)
+    if ranks.world_size == 1:
+        return RemoteRollouts(inp, store, start, ranks)
+    # Several trainer ranks: rank 0 receives the workers' batches and hands each to the others.
+    return SharedRollouts(RemoteRollouts(inp, store, start, ranks) if ranks.is_main else None, ranks, model_device(inp.policy))

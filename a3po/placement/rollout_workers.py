@@ -1,23 +1,31 @@
 """Rollout workers in processes of their own (``distributed.rollout_workers: N``).
 
-The launch is one trainer rank (global rank 0) followed by N rollout workers (ranks 1..N), e.g.
-``torchrun --nproc_per_node 2`` with ``rollout_workers: 1``. Worker ``k`` generates batches
+The launch is T trainer ranks (global ranks 0..T-1; T > 1 under DeepSpeed, data parallel over
+their own world) followed by N rollout workers (ranks T..T+N-1), e.g. ``torchrun
+--nproc_per_node 2`` with ``rollout_workers: 1`` (one trainer) or ``--nproc_per_node 3`` with
+``rollout_workers: 1`` and ``distributed.deepspeed_config`` (two ZeRO trainer ranks). Trainer
+rank 0 ("the trainer" below) talks to the workers. Worker ``k`` generates batches
 ``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.in_process.local_producer`:
 same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward function), so
 under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
 single-process run, bit for bit.
 
-Two gloo groups over {trainer, workers}, each used by one thread per process:
+Two gloo links (:class:`a3po.parallel.ranks.Link`: process groups of their own, outside the
+trainer ranks' world) over {trainer rank 0, workers}, each used by one thread per process:
 
 * **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
   layout, the versions that follow at once: the checkpoint's history on resume), then every
   version the trainer publishes, in order: an int64 header ``[version]`` and the state dict as one
-  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. Rollout workers come
-  with one plain trainer rank (no DeepSpeed), so its weights are whole.
+  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. The versions are the
+  trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3.
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
   log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,
-  grader counters, generation time). Index ``-1`` carries a worker's error text instead.
+  grader counters, generation time, the producer's per-batch figures). Index ``-1`` carries a
+  worker's error text instead.
+
+With several trainer ranks, rank 0 broadcasts each batch, in the same framing, to the others over
+a gloo group of the trainers' world (:class:`SharedRollouts`); each trains on its shard.
 
 The staleness bound holds across processes: a worker admits batch ``j`` only once *it* has
 received version ``j - max_staleness`` (:class:`a3po.producer.producer.Admission` on its own store),
@@ -35,29 +43,30 @@ import json
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from a3po.devices import model_device
-from a3po.parallel.ranks import Ranks
+from a3po.parallel.ranks import Link, Ranks, launch_links
 from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
 
-TRAINER = 0  # global rank of the trainer
+TRAINER = 0  # global rank of the trainer, and its rank in the weights and samples links (worker k's is 1 + k)
 STOP = -1  # weight header: the run is over; batch header index: an error text follows
 
 Layout = list[list[Any]]  # [[name, dtype, shape], ...] in state-dict order
 
 
-def rollout_groups(ranks: Ranks) -> tuple[Any, Any]:
-    """(weights group, samples group) over the trainer and the workers; every process of the
-    launch calls this, in the same order (``new_group`` is collective)."""
-    members = [TRAINER, *range(ranks.world_size, ranks.launch_size)]
-    return dist.new_group(members, backend="gloo"), dist.new_group(members, backend="gloo")
+def rollout_links() -> tuple[Link, Link]:
+    """(weights link, samples link) over trainer rank 0 and the workers, made by
+    :func:`a3po.parallel.ranks.init_ranks`."""
+    links = launch_links()
+    assert links.weights is not None and links.samples is not None, "only trainer rank 0 and the workers talk over these"
+    return links.weights, links.samples
 
 
 # --- weights: one byte buffer per version --------------------------------------------------------
@@ -86,30 +95,30 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dic
     return out
 
 
-def _broadcast_json(obj: Any, group: Any) -> Any:
+def _broadcast_json(obj: Any, link: Link) -> Any:
     """The trainer's ``obj`` on every member (JSON text: nothing received can run code)."""
-    is_src = dist.get_rank() == TRAINER
+    is_src = link.rank == TRAINER
     data = json.dumps(obj).encode() if is_src else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=TRAINER, group=group)
+    link.broadcast(size, TRAINER)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=TRAINER, group=group)
+    link.broadcast(buf, TRAINER)
     return json.loads(bytes(buf.numpy()))
 
 
-def _push_version(version: int, state: dict[str, torch.Tensor], group: Any) -> None:
-    dist.broadcast(torch.tensor([version], dtype=torch.int64), src=TRAINER, group=group)
-    dist.broadcast(pack_state(state), src=TRAINER, group=group)
+def _push_version(version: int, state: dict[str, torch.Tensor], link: Link) -> None:
+    link.broadcast(torch.tensor([version], dtype=torch.int64), TRAINER)
+    link.broadcast(pack_state(state), TRAINER)
 
 
-def _receive_version(layout: Layout, device: torch.device, group: Any) -> tuple[int, dict[str, torch.Tensor] | None]:
+def _receive_version(layout: Layout, device: torch.device, link: Link) -> tuple[int, dict[str, torch.Tensor] | None]:
     header = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(header, src=TRAINER, group=group)
+    link.broadcast(header, TRAINER)
     version = int(header)
     if version == STOP:
         return version, None
     buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
-    dist.broadcast(buf, src=TRAINER, group=group)
+    link.broadcast(buf, TRAINER)
     return version, unpack_state(buf, layout, device)
 
 
@@ -120,32 +129,35 @@ def _text_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
 
 
-def send_batch(sb: ScoredBatch, group: Any) -> None:
+def _put_batch(sb: ScoredBatch, put: Callable[[torch.Tensor], Any]) -> None:
+    """Batch ``sb`` as ``put`` calls (one send or broadcast per tensor, CPU): an int64 header, the
+    tensors, a JSON blob."""
     b = sb.rollout
     rows, cols = b.input_ids.shape
-    info = json.dumps({"meta": b.meta, "completions": sb.completions, "gen_time_s": sb.gen_time_s, "grader": sb.grader})
+    info = json.dumps({"meta": b.meta, "completions": sb.completions, "gen_time_s": sb.gen_time_s, "grader": sb.grader,
+                       "metrics": sb.metrics})
     blob = _text_tensor(info)
     header = torch.tensor([sb.index, rows, cols, b.prompt_len, len(blob)], dtype=torch.int64)
     for t in (header, b.input_ids, b.attention_mask, b.response_mask.to(torch.uint8), b.behav_logp, b.versions,
               b.finished.to(torch.uint8), sb.rewards, blob):
-        dist.send(t.detach().contiguous().cpu(), dst=TRAINER, group=group)
+        put(t.detach().contiguous().cpu())
 
 
-def send_failure(text: str, group: Any) -> None:
+def _put_failure(text: str, put: Callable[[torch.Tensor], Any]) -> None:
     blob = _text_tensor(text)
-    dist.send(torch.tensor([STOP, 0, 0, 0, len(blob)], dtype=torch.int64), dst=TRAINER, group=group)
-    dist.send(blob, dst=TRAINER, group=group)
+    put(torch.tensor([STOP, 0, 0, 0, len(blob)], dtype=torch.int64))
+    put(blob)
 
 
-def receive_batch(src: int, group: Any, device: torch.device) -> ScoredBatch | str:
-    """The next batch from worker ``src``, on ``device``; or the worker's error text."""
+def _take_batch(take: Callable[[torch.Tensor], Any], device: torch.device) -> ScoredBatch | str:
+    """What :func:`_put_batch` (or :func:`_put_failure`) put, ``take`` filling each tensor in turn; on ``device``."""
     header = torch.empty(5, dtype=torch.int64)
-    dist.recv(header, src=src, group=group)
+    take(header)
     index, rows, cols, prompt_len, nbytes = header.tolist()
 
     def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src=src, group=group)
+        take(t)
         return t.to(device)
 
     if index == STOP:
@@ -156,7 +168,20 @@ def receive_batch(src: int, group: Any, device: torch.device) -> ScoredBatch | s
     finished, rewards = recv((rows,), torch.uint8).bool(), recv((rows,), torch.float32)
     info = json.loads(bytes(recv((nbytes,), torch.uint8).cpu().numpy()))
     rollout = RolloutBatch(input_ids, attention_mask, response_mask, behav_logp, versions, finished, prompt_len, info["meta"])
-    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"])
+    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"], metrics=info["metrics"])
+
+
+def send_batch(sb: ScoredBatch, link: Link) -> None:
+    _put_batch(sb, lambda t: link.send(t, TRAINER))
+
+
+def send_failure(text: str, link: Link) -> None:
+    _put_failure(text, lambda t: link.send(t, TRAINER))
+
+
+def receive_batch(src: int, link: Link, device: torch.device) -> ScoredBatch | str:
+    """The next batch from the worker of link rank ``src``, on ``device``; or the worker's error text."""
+    return _take_batch(lambda t: link.recv(t, src), device)
 
 
 # --- the trainer's side --------------------------------------------------------------------------
@@ -172,7 +197,7 @@ class RemoteRollouts:
         self.store, self.start_index, self.end = store, start, inp.cfg.rl.steps
         self.workers = list(range(ranks.world_size, ranks.launch_size))
         self.device = model_device(inp.policy)
-        self.weights_group, self.samples_group = rollout_groups(ranks)
+        self.weights_link, self.samples_link = rollout_links()
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
         self._threads = [threading.Thread(target=self._push, name="weight-push", daemon=True),
@@ -192,9 +217,9 @@ class RemoteRollouts:
         try:
             versions = self.store.versions()
             layout = state_layout(self.store.get(versions[-1]))
-            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_group)
+            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_link)
             for v in versions:
-                _push_version(v, self.store.get(v), self.weights_group)
+                _push_version(v, self.store.get(v), self.weights_link)
             last = versions[-1]
             self._hold(last + 1)
             while True:
@@ -203,12 +228,12 @@ class RemoteRollouts:
                         self.store.cond.wait(timeout=1.0)
                     latest, halting = self.store.latest, self._halt.is_set()
                 for v in range(last + 1, latest + 1):
-                    _push_version(v, self.store.get(v), self.weights_group)
+                    _push_version(v, self.store.get(v), self.weights_link)
                     last = v
                     self._hold(last + 1)
                 if halting:
                     break
-            dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=TRAINER, group=self.weights_group)
+            self.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64), TRAINER)
         except BaseException as e:
             if not self._halt.is_set():
                 self.out.put(ProducerFailed(f"sending weights to the rollout workers (ranks {self.workers}) failed: {e!r}; "
@@ -216,9 +241,10 @@ class RemoteRollouts:
 
     def _receive(self) -> None:
         for j in range(self.start_index, self.end):
-            src = self.workers[j % len(self.workers)]
+            k = j % len(self.workers)
+            src = self.workers[k]
             try:
-                got = receive_batch(src, self.samples_group, self.device)
+                got = receive_batch(1 + k, self.samples_link, self.device)
             except BaseException as e:
                 if not self._halt.is_set():
                     self.out.put(ProducerFailed(f"rollout worker rank {src} is gone (waiting for batch {j}: {e!r}); "
@@ -256,14 +282,59 @@ class RemoteRollouts:
         """Nothing to release here: each worker closes its own engine."""
 
 
+class SharedRollouts:
+    """The producer of every trainer rank when several train (DeepSpeed data parallelism): rank 0
+    takes each batch from the rollout workers (``source``, a :class:`RemoteRollouts`) and
+    broadcasts it to the other trainer ranks (a gloo group of the trainers' world), so every rank holds
+    the whole batch and trains on its shard of each minibatch, as when each rank generates the
+    whole batch itself (:mod:`a3po.parallel.ranks`). A failure on rank 0 is broadcast too: every
+    trainer rank then stops with rank 0's reason."""
+
+    def __init__(self, source: RemoteRollouts | None, ranks: Ranks, device: torch.device) -> None:
+        self.source, self.device, self.group = source, device, launch_links().batches
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        dist.broadcast(t, src=TRAINER, group=self.group)
+
+    def start(self) -> None:
+        if self.source is not None:
+            self.source.start()
+
+    def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
+        if self.source is None:
+            got = _take_batch(self._broadcast, self.device)
+            if isinstance(got, str):
+                raise ProducerFailed(f"trainer rank {TRAINER} stopped the run: {got}")
+            return got
+        try:
+            batch = self.source.next_batch(timeout)
+        except ProducerFailed as e:
+            _put_failure(str(e), self._broadcast)
+            raise
+        _put_batch(batch, self._broadcast)
+        return batch
+
+    def stop(self) -> None:
+        if self.source is not None:
+            self.source.stop()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.source is not None:
+            self.source.join(timeout)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+
 # --- a worker's side -----------------------------------------------------------------------------
 
 
 def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
     sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
-    weights_group, samples_group = rollout_groups(ranks)
-    hello = _broadcast_json(None, weights_group)
+    weights_link, samples_link = rollout_links()
+    hello = _broadcast_json(None, weights_link)
     layout = state_layout(inp.policy.state_dict())
     if hello["layout"] != layout:
         diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
@@ -272,7 +343,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     device = model_device(inp.policy)
     store = WeightStore(weight_retention(inp.cfg, end=hello["end"]))
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
-        store.publish(*_receive_version(layout, device, weights_group))
+        store.publish(*_receive_version(layout, device, weights_link))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
     first = hello["start"] + (k - hello["start"]) % n
     producer = local_producer(inp, store, first, stride=n, end=hello["end"])
@@ -280,7 +351,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     def receive_weights() -> None:
         try:
             while True:
-                version, state = _receive_version(layout, device, weights_group)
+                version, state = _receive_version(layout, device, weights_link)
                 if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
                     producer.out.put(None)
                     return
@@ -298,11 +369,11 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
             batch = producer.next_batch(timeout=None)
             if batch is None:  # the trainer ended the run early: its own error is the run's
                 break
-            send_batch(batch, samples_group)
+            send_batch(batch, samples_link)
             sent += 1
     except BaseException as e:
         try:  # tell the trainer why, so its error names this worker and the cause
-            send_failure(f"{e}", samples_group)
+            send_failure(f"{e}", samples_link)
         except BaseException:
             pass
         producer.stop()

@@ -79,3 +79,23 @@ def flow_logs(flow_run_id) -> list[str]:
             messages += [log.message for log in page]
             if len(page) < 200:
                 return messages
+
+
+def assert_same_trajectory(a: dict, b: dict, steps: int, rtol: float, atol: float) -> None:
+    """Two runs' per-step metrics agree: the discrete figures (rewards, evaluations, lengths,
+    staleness: the same tokens were sampled) exactly, the others within ``rtol * |x| + atol``
+    (float summation order across data-parallel ranks). Fails on a degenerate run (a loss of 0
+    at nearly every step compares nothing)."""
+    ma, mb = step_metrics(a), step_metrics(b)
+    assert sorted(ma) == list(range(1, steps + 1)), sorted(ma)
+    assert sorted(mb) == sorted(ma)
+    losses = [ma[s]["loss/policy"] for s in range(1, steps + 1)]
+    assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
+    for step in ma:
+        assert ma[step].keys() == mb[step].keys(), step
+        for key, va in ma[step].items():
+            vb = mb[step][key]
+            if key.startswith(("reward/", "eval/", "response/", "staleness/")) or key in ("step", "version"):
+                assert va == vb, (step, key, va, vb)
+            else:
+                assert abs(va - vb) <= rtol * abs(va) + atol, (step, key, va, vb)
