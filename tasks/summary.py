@@ -15,8 +15,11 @@ Definitions (also in docs/pipeline.md):
   the mean over its seeds, reported only when every seed got there.
 - **rows** are arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), compared
   like variants; an OPPO arm is also compared with its variant's OPPO-off row.
+- **step time**: the trainer's period per step, rollout wait + update (``perf/wait_time_s +
+  perf/step_time_s``): what a step costs the run, whether the trainer waited for generation (sync)
+  or generation ran beside it. ``train (s/step)`` is the update alone.
 - **speedup of A vs B**: ``T_B / T_A`` for time to target, and ``mean step time_B / mean step
-  time_A`` for ``perf/step_time_s`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
+  time_A`` (>1: A is faster). **Deltas**: ``A - B`` of final reward and
   final held-out accuracy.
 - **stability columns** (per-step metrics of ``a3po.algorithms.stability``, each over the step's tokens):
   "behaviour IW max" = the largest ``stability/behav_iw_max`` (``pi_prox / pi_behav``, the
@@ -104,7 +107,7 @@ def run_figures(history: Sequence[dict[str, float]], target: float | None, smoot
     figs: dict[str, float | None] = {
         "final_reward": final_reward(history, smooth_frac),
         "time_to_target_s": time_to_target(history, target, smooth_frac) if target is not None else None,
-        "mean_step_time_s": sum(x["perf/step_time_s"] for x in history) / n,
+        "mean_step_time_s": sum(x["perf/step_time_s"] + x.get("perf/wait_time_s", 0.0) for x in history) / n,
         "prox_time_s": sum(x.get("prox/time_s", 0.0) for x in history) / n,
     }
     for key, (metric, combine) in STABILITY_FIGURES.items():
@@ -239,7 +242,7 @@ def _against_baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 COLUMNS = [
     ("variant", "variant"), ("placement", "placement"), ("seeds", "seeds"), ("warmstart_acc", "warm-start acc"), ("final_acc", "final held-out acc"),
-    ("final_reward", "final reward"), ("time_to_target_s", "time to target (s)"), ("mean_step_time_s", "mean step (s)"),
+    ("final_reward", "final reward"), ("time_to_target_s", "time to target (s)"), ("mean_step_time_s", "mean step, wait + update (s)"),
     ("train_wall_s", "train wall (s)"), ("mean_generate_s", "generate (s/step)"), ("mean_train_s", "train (s/step)"),
     ("mean_idle_s", "trainer idle (s/step)"), ("speedup_ttt_vs_sync", "speedup vs sync (target)"),
     ("speedup_ttt_vs_recompute", "speedup vs recompute (target)"), ("speedup_step_vs_sync", "step speedup vs sync"),

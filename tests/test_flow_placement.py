@@ -46,9 +46,9 @@ def test_baselines_are_taken_within_a_placement():
 
 
 def _record(arm: str, rewards: list[float], generate_s: float, train_s: float, idle_s: float) -> dict:
-    step_s = train_s + idle_s
-    history = [{"reward/mean": r, "perf/step_time_s": step_s, "time/train_wall_s": step_s * (i + 1), "perf/generate_s": generate_s,
-                "perf/train_s": train_s, "perf/idle_s": idle_s} for i, r in enumerate(rewards)]
+    step_s = train_s + idle_s  # the trainer's period: waiting for the batch, then the update
+    history = [{"reward/mean": r, "perf/step_time_s": train_s, "perf/wait_time_s": idle_s, "time/train_wall_s": step_s * (i + 1),
+                "perf/generate_s": generate_s, "perf/train_s": train_s, "perf/idle_s": idle_s} for i, r in enumerate(rewards)]
     return {"variant": parse_arm(arm)[0], "arm": arm, "seed": 0, "history": history, "final_acc": 0.5, "warmstart_acc": 0.2}
 
 
