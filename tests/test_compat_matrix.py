@@ -13,9 +13,11 @@ import math
 import re
 
 import pytest
+import torch
 
 from a3po.config import TrainConfig, preset, with_overrides
 from a3po.config.preflight import module_available
+from a3po.models.logprobs import prefix_repeats
 from infra.compat_matrix import REPO_ROOT, REVIEWS, Cell, cells, doc_block, main, matrix, render
 
 DOC = REPO_ROOT / "docs" / "distributed.md"
@@ -126,3 +128,46 @@ def test_every_one_process_cell_that_runs_trains_two_steps(cell, micro_warmstart
                 "ppo/value_loss": cell.critic == "gae", "ppo/kl": cell.critic == "none" and cell.oppo in ("intra", "both")}
     for key, on in expected.items():
         assert all((key in r) == on for r in trained), (key, on, sorted(trained[0]))
+
+
+def test_prefix_repeats_says_whether_two_rows_share_their_first_columns():
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9], [4, 6, 7, 8]])
+    mask = torch.ones_like(ids)
+    assert prefix_repeats(ids, mask, 2)  # rows 0 and 1 share [5, 6]
+    assert not prefix_repeats(ids[[0, 2]], mask[[0, 2]], 2)  # [5, 6] and [4, 6]
+    # The same ids behind another mask (left padding) are another prefix.
+    assert not prefix_repeats(ids[[0, 1]], torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]), 2)
+
+
+@pytest.mark.slow
+def test_zero3_ranks_with_oppo_in_process_train_two_steps(tmp_path):
+    """2 ZeRO-3 trainer ranks, rollouts in process, OPPO intra + inter: the cell accepted by the
+    config that hung at step 2. Each ZeRO-3 forward is a collective, and the shared-prompt
+    forward ran two forwards on the rank whose shard repeats a prompt and one on the other
+    (a3po.training.step.update_minibatch now shares only where every rank's shard repeats one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from a3po.config.preflight import deepspeed_available
+
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed (pip install -e '.[distributed]')")
+    cell = Cell("torch", "in_process", "ZeRO-3", "both", "none")
+    sections = cell.overrides()
+    sections["rl"]["steps"] = 2
+    config = tmp_path / "cell.yaml"
+    config.write_text(yaml.safe_dump(sections))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "a3po.cli", "train",
+           "--preset", "micro", "--config", str(config), "--output-dir", str(tmp_path / "out"), "--no-progress", "--variant", "loglinear"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (2, 3, 0)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "loglinear-seed0" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss/policy" in r]
+    assert [r["step"] for r in trained] == [1, 2] and all("oppo/chunks" in r and "oppo/delta" in r for r in trained)
