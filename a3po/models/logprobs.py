@@ -93,8 +93,7 @@ def response_logits(
     keep = (lambda k: {"logits_to_keep": k}) if "logits_to_keep" in forward_parameters(model) else (lambda k: {})
     cache_kw = cache_kwarg(model)
     if share_prompt and cache_kw is not None and 1 < start < length and not _cache_dropped(model):
-        prefix = torch.cat([input_ids[:, :start], attention_mask[:, :start].to(input_ids.dtype)], dim=1)
-        distinct, inverse = torch.unique(prefix, dim=0, return_inverse=True)
+        distinct, inverse = torch.unique(_prefixes(input_ids, attention_mask, start), dim=0, return_inverse=True)
         if len(distinct) < n:
             first = torch.full((len(distinct),), n, device=input_ids.device).scatter_reduce(
                 0, inverse, torch.arange(n, device=input_ids.device), "amin")  # a row holding each prefix
@@ -108,6 +107,16 @@ def response_logits(
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
                 **(keep(length - start + 1) if start > 1 else {}))
     return out.logits[:, -(length - start + 1):-1]
+
+
+def _prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
+    return torch.cat([input_ids[:, :start], attention_mask[:, :start].to(input_ids.dtype)], dim=1)
+
+
+def prefix_repeats(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> bool:
+    """Whether two rows share their first ``start`` columns (ids and mask): where they do,
+    :func:`response_logits` with ``share_prompt`` runs two forwards (prefixes, then the rest), else one."""
+    return len(torch.unique(_prefixes(input_ids, attention_mask, start), dim=0)) < input_ids.shape[0]
 
 
 def forward_parameters(model: torch.nn.Module) -> frozenset[str]:

@@ -24,7 +24,7 @@ from a3po.algorithms.stability import TokenStats, stability_metrics
 from a3po.algorithms.value import between_prompt_share, explained_variance, token_rewards
 from a3po.config import RLConfig, correction_settings, effective_max_staleness
 from a3po.devices import synchronize
-from a3po.models.logprobs import token_logprobs
+from a3po.models.logprobs import prefix_repeats, token_logprobs
 from a3po.parallel.ranks import Ranks
 from a3po.parallel.updaters import LocalUpdater, Updater
 from a3po.producer.producer import ScoredBatch
@@ -172,8 +172,13 @@ def update_minibatch(
     weights = behav.weights
     ids, attn, resp, device = batch.input_ids, batch.attention_mask, batch.response_mask, batch.input_ids.device
     rows = ranks.shard(mb)  # this rank's rows of the minibatch (all of them in one process)
+    share = cfg.shared_prompt_forward
+    if share and updater.partitioned and ranks.world_size > 1:
+        # Under ZeRO-3 each forward is a collective (the ranks gather the parameters together), so every rank
+        # must run as many: sharing runs two where a prompt of the shard repeats, one where none does.
+        share = int(ranks.sum(torch.tensor(int(prefix_repeats(ids[rows], attn[rows], batch.prompt_len)), device=device))) == ranks.world_size
     logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len,
-                               share_prompt=cfg.shared_prompt_forward)
+                               share_prompt=share)
     synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
     t0 = time.perf_counter()
     prox, prox_metrics = method(
