@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from a3po.config.preflight import deepspeed_available
-from tests.support.cli_runs import assert_same_trajectory, kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
 from tests.support.cli_runs import step_metrics as _metrics
 
@@ -67,17 +67,7 @@ def _env() -> dict[str, str]:
 
 
 def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
-    """The shipped JSON; for ZeRO-3 with every parameter partitioned: the micro model's are all
-    below the shipped ``stage3_param_persistence_threshold`` (1e5 elements), which would keep
-    them whole on every rank and leave nothing to gather."""
-    shipped = REPO_ROOT / f"infra/deepspeed_zero{zero_stage}.json"
-    if zero_stage != 3:
-        return shipped
-    ds = json.loads(shipped.read_text())
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    path = tmp / "deepspeed_zero3_partition_all.json"
-    path.write_text(json.dumps(ds))
-    return path
+    return deepspeed_json(REPO_ROOT, tmp, zero_stage)
 
 
 def _config(tmp: Path, zero_stage: int | None, steps: int = STEPS) -> Path:

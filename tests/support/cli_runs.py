@@ -99,3 +99,17 @@ def assert_same_trajectory(a: dict, b: dict, steps: int, rtol: float, atol: floa
                 assert va == vb, (step, key, va, vb)
             else:
                 assert abs(va - vb) <= rtol * abs(va) + atol, (step, key, va, vb)
+
+
+def deepspeed_json(repo_root: Path, tmp: Path, zero_stage: int) -> Path:
+    """The shipped DeepSpeed JSON; for ZeRO-3 with every parameter partitioned: the micro model's
+    are all below the shipped ``stage3_param_persistence_threshold`` (1e5 elements), which would
+    keep them whole on every rank and leave nothing to gather."""
+    shipped = repo_root / f"infra/deepspeed_zero{zero_stage}.json"
+    if zero_stage != 3:
+        return shipped
+    ds = json.loads(shipped.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp / "deepspeed_zero3_partition_all.json"
+    path.write_text(json.dumps(ds))
+    return path
