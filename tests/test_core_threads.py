@@ -128,11 +128,12 @@ def test_a_training_update_is_bitwise_the_same_whatever_the_thread_count(threads
 # --- the placements' core ownership (a3po.placement.cores) ---------------------------------------
 
 
-def test_sync_in_one_process_generates_on_every_core_too():
-    assert generate_threads(_cfg("sync")) == usable_cores()
-    assert generate_threads(_cfg("sync", generate_threads=1)) == 1
-    assert generate_threads(_cfg("loglinear", generate_threads=3)) == 1  # overlapping: torch_threads
-    assert generate_threads(_cfg("sync", distributed={"rollout_workers": 1})) == 1  # the worker generates elsewhere
+def test_sync_in_one_process_may_generate_on_every_core():
+    assert generate_threads(_cfg("sync")) == 1  # the default: one thread
+    assert generate_threads(_cfg("sync", generate_threads=0)) == usable_cores()  # 0: every core (the smol preset)
+    assert generate_threads(_cfg("sync", generate_threads=3)) == 3
+    assert generate_threads(_cfg("loglinear", generate_threads=0)) == 1  # overlapping: torch_threads
+    assert generate_threads(_cfg("sync", generate_threads=0, distributed={"rollout_workers": 1})) == 1  # the worker generates elsewhere
 
 
 def test_core_slices_give_workers_the_top_cores_and_trainers_the_rest():

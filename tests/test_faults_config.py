@@ -237,7 +237,7 @@ def test_groups_of_one_are_fine_for_an_estimator_that_is_not_group_relative():
         ({"ppo": {"kl_coef": 1e300}}, r"ppo\.kl_coef in \[0, 1000\]"),
         # torch segfaulted on it
         ({"torch_threads": 100000}, r"torch_threads must be >= 1, update_threads and generate_threads >= 0, all at most 1024"),
-        ({"update_threads": 100000}, r"generate_threads >= 0, all at most 1024 .*got 1, 100000 and 0"),
+        ({"update_threads": 100000}, r"generate_threads >= 0, all at most 1024 .*got 1, 100000 and 1"),
         ({"generate_threads": 100000}, r"generate_threads >= 0, all at most 1024 .*got 1, 0 and 100000"),
         ({"output_dir": ""}, r"output_dir must be a directory name"),
         ({"distributed": {"deepspeed_config": ""}}, r"distributed\.deepspeed_config is ''"),

@@ -39,6 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warm_start": {"steps": 0},
         "rl": {"steps": 10, "batch_prompts": 4, "group_size": 4, "minibatches": 2, "max_new_tokens": 96, "temperature": 0.7,
                "lr": 1e-5, "lr_warmup_steps": 2, "eval_every": 10, "eval_samples": 1, "checkpoint_every": 5},
+        "generate_threads": 0,  # a synchronous step's generation on every core (a3po.placement.cores)
     },
 }
 

@@ -585,10 +585,14 @@ class TrainConfig:
     """Intra-op threads of a training update where the producer idles meanwhile (sync, rollouts
     in process; see a3po.placement.cores); 0: every core. Results do not depend on it. On a machine busy
     with other work, OpenMP threads beyond the free cores slow an update down many times: set 1."""
-    generate_threads: int = 0
+    generate_threads: int = 1
     """Intra-op threads of generation where the trainer idles meanwhile (sync, rollouts in
-    process; see a3po.placement.cores); 0: every core. Decoding on another thread count may round
-    differently, so a run is bit-reproducible for a given value on a given machine."""
+    process; see a3po.placement.cores); 0: every core. Worth it where a batch takes seconds (the
+    ``smol`` preset sets 0: a synchronous step's generation then runs at twice the speed); where
+    decode steps take milliseconds (``tiny``) it slowed the update that follows (0.27 s a step
+    instead of 0.17 s; likely the generation threads' OpenMP pool still spinning), hence 1 by default.
+    Decoding on another thread count may round differently, so a run is bit-reproducible for a
+    given value on a given machine."""
     device: Device = Device.AUTO
     """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
     dtype: DType = DType.FLOAT32

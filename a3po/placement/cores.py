@@ -7,8 +7,10 @@ may share the machine:
   are two of its threads. Where they overlap (asynchronous variants: the producer decodes batch
   j + 1 while the trainer trains on batch j) each keeps ``torch_threads`` intra-op threads, so the
   two share the cores; where they take turns (staleness bound 0: the producer starts batch j only
-  once version j is published, and the trainer waits for that batch) each phase takes every core
-  the process may use (``generate_threads``, ``update_threads``), since the other idles meanwhile.
+  once version j is published, and the trainer waits for that batch) the update takes every core
+  the process may use (``update_threads``), and so may generation (``generate_threads: 0``; 1 by
+  default: with decode steps of milliseconds its OpenMP pool still spins when the update starts),
+  since the other phase idles meanwhile.
 * **disaggregated** (``rollout_workers: N``): generation in processes of their own. With
   ``distributed.rollout_cores: r`` each rollout worker owns ``r`` cores and the trainer ranks on
   the node share the rest: every process pins itself to its slice (CPU affinity) and computes on
