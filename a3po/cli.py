@@ -95,7 +95,8 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
 
     t0 = time.perf_counter()
     try:
-        ws_dir, ws_acc = ranks.share(prepare_warmstart(cfg, out / "cache") if ranks.is_main else None)
+        ws = prepare_warmstart(cfg, out / "cache") if ranks.is_main else None
+        ws_dir, ws_acc = ranks.share([str(ws[0]), ws[1]] if ws is not None else None)
     except BadRowError as e:  # a dataset row named by file and line, read before any training
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2

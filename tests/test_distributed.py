@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from a3po.config.preflight import deepspeed_available
 from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
@@ -260,3 +261,26 @@ def test_several_ranks_without_a_deepspeed_config_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="launched as 2 ranks .* distributed.deepspeed_config is null"):
         init_ranks(None)
+
+
+def test_what_ranks_share_travels_as_json_and_a_pickle_never_runs(tmp_path):
+    import pickle
+
+    from a3po.parallel.ranks import broadcast_json
+
+    sent: list = []
+    assert broadcast_json({"dir": "runs/x", "acc": [0.25]}, True, lambda t: sent.append(t.clone())) == {"dir": "runs/x", "acc": [0.25]}
+    wire = iter(sent)
+    assert broadcast_json(None, False, lambda t: t.copy_(next(wire))) == {"dir": "runs/x", "acc": [0.25]}
+    with pytest.raises(TypeError):  # not a JSON value: refused where it is sent
+        broadcast_json(Path("runs/x"), True, lambda t: None)
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    evil = pickle.dumps(Payload())
+    frames = iter([torch.tensor([len(evil)]), torch.frombuffer(bytearray(evil), dtype=torch.uint8)])
+    with pytest.raises(ValueError):  # a pickle on the wire is not JSON: refused, never unpickled
+        broadcast_json(None, False, lambda t: t.copy_(next(frames)))
+    assert not (tmp_path / "pwned").exists()

@@ -21,12 +21,12 @@ The optimizer step is in :mod:`a3po.parallel.updaters`, the DeepSpeed JSON's che
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -93,22 +93,18 @@ class Ranks:
         return out
 
     def from_main(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every trainer rank (rollout workers take no part)."""
+        """Rank 0's ``obj`` (JSON values) on every trainer rank (rollout workers take no part)."""
         if self.world_size == 1:
             return obj
-        box = [obj if self.is_main else None]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_json(obj, self.is_main, _broadcast_in_world)
 
     def share(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every process of the launch, rollout workers included."""
+        """Rank 0's ``obj`` (JSON values) on every process of the launch, rollout workers included."""
         if self.launch_size == 1:
             return obj
         if self.rollout_workers:
             return launch_links().launch.share(obj)
-        box = [obj if self.is_main else None]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_json(obj, self.is_main, _broadcast_in_world)
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -167,6 +163,28 @@ def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     return ranks
 
 
+def _broadcast_in_world(t: torch.Tensor) -> None:
+    """Broadcast the CPU tensor ``t`` from rank 0 of the trainers' world, through the device NCCL
+    needs where the world is NCCL's."""
+    if torch.distributed.get_backend() != "nccl":
+        torch.distributed.broadcast(t, src=0)
+        return
+    on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+    torch.distributed.broadcast(on_device, src=0)
+    t.copy_(on_device.cpu())
+
+
+def broadcast_json(obj: Any, is_src: bool, broadcast: Callable[[torch.Tensor], None]) -> Any:
+    """The source's ``obj`` on every member of a broadcast, as JSON text: what one process sends
+    another can never run code there (a pickle could)."""
+    data = json.dumps(obj).encode() if is_src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    broadcast(size)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
+    broadcast(buf)
+    return json.loads(bytes(buf.numpy()))
+
+
 class Link:
     """A gloo process group of its own over some processes of the launch, outside torch's default
     world (which is the trainer ranks'): built on the launcher's rendezvous store under its own
@@ -189,14 +207,8 @@ class Link:
         self.pg.recv([t], src, 0).wait()
 
     def share(self, obj: Any) -> Any:
-        """Link rank 0's ``obj`` on every member, pickled in memory between the processes of this
-        launch only (as ``broadcast_object_list`` does)."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self.broadcast(size, 0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
-        self.broadcast(buf, 0)
-        return obj if self.rank == 0 else pickle.loads(bytes(buf.numpy()))
+        """Link rank 0's ``obj`` (JSON values) on every member."""
+        return broadcast_json(obj, self.rank == 0, lambda t: self.broadcast(t, 0))
 
 
 _TIMEOUT = timedelta(minutes=30)  # torch's default for gloo

@@ -95,17 +95,6 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dic
     return out
 
 
-def _broadcast_json(obj: Any, link: Link) -> Any:
-    """The trainer's ``obj`` on every member (JSON text: nothing received can run code)."""
-    is_src = link.rank == TRAINER
-    data = json.dumps(obj).encode() if is_src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    link.broadcast(size, TRAINER)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
-    link.broadcast(buf, TRAINER)
-    return json.loads(bytes(buf.numpy()))
-
-
 def _push_version(version: int, state: dict[str, torch.Tensor], link: Link) -> None:
     link.broadcast(torch.tensor([version], dtype=torch.int64), TRAINER)
     link.broadcast(pack_state(state), TRAINER)
@@ -217,7 +206,7 @@ class RemoteRollouts:
         try:
             versions = self.store.versions()
             layout = state_layout(self.store.get(versions[-1]))
-            _broadcast_json({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions}, self.weights_link)
+            self.weights_link.share({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions})
             for v in versions:
                 _push_version(v, self.store.get(v), self.weights_link)
             last = versions[-1]
@@ -334,7 +323,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
     sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
     weights_link, samples_link = rollout_links()
-    hello = _broadcast_json(None, weights_link)
+    hello = weights_link.share(None)
     layout = state_layout(inp.policy.state_dict())
     if hello["layout"] != layout:
         diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
