@@ -21,6 +21,7 @@ The optimizer step is in :mod:`a3po.parallel.updaters`, the DeepSpeed JSON's che
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -84,13 +85,21 @@ class Ranks:
         return torch.cat(parts, dim=0)
 
     def gather_to_main(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` as a list on rank 0 (None elsewhere). Pickled in memory between
-        the ranks of this run only; nothing here is read from disk."""
+        """Every rank's ``obj`` (tensors in plain containers, as a checkpoint holds them) as a list
+        on rank 0 (None elsewhere). It travels in torch's save format and is read back with
+        ``weights_only=True``, so what a rank receives can never run code."""
         if self.world_size == 1:
             return [obj]
-        out = [None] * self.world_size if self.is_main else None
-        torch.distributed.gather_object(obj, out, dst=0)
-        return out
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        sizes = [int(n) for n in _all_gather_in_world(torch.tensor([data.numel()], dtype=torch.int64))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        parts = _all_gather_in_world(padded)
+        if not self.is_main:
+            return None
+        return [torch.load(io.BytesIO(bytes(p[:n].numpy())), map_location="cpu", weights_only=True) for p, n in zip(parts, sizes, strict=True)]
 
     def from_main(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (JSON values) on every trainer rank (rollout workers take no part)."""
@@ -172,6 +181,15 @@ def _broadcast_in_world(t: torch.Tensor) -> None:
     on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
     torch.distributed.broadcast(on_device, src=0)
     t.copy_(on_device.cpu())
+
+
+def _all_gather_in_world(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every trainer rank's CPU tensor ``t`` (same shape on all), in rank order, through the device
+    NCCL needs where the world is NCCL's."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else t.device
+    parts = [torch.empty_like(t, device=dev) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, t.to(dev))
+    return [p.cpu() for p in parts]
 
 
 def broadcast_json(obj: Any, is_src: bool, broadcast: Callable[[torch.Tensor], None]) -> Any:
