@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -109,16 +110,8 @@ def test_killed_rollout_worker_fails_the_run_and_the_rerun_resumes_exactly(runs)
     tmp, out = runs["tmp"], runs["tmp"] / "killed"
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 1)
-    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    try:
-        kill_rank_after_first_checkpoint(proc, latest)
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, output, _ = _run_and_kill(_command(config, out, 2), latest, rank=1)
     assert proc.returncode != 0, "the killed run reported success"
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < STEPS, f"the run finished (step {killed_at}) before the worker was killed"
@@ -157,6 +150,25 @@ def test_staleness_bound_holds_across_processes_in_the_free_running_schedule(run
 RTOL, ATOL, WEIGHTS_ATOL = 1e-4, 1e-6, 1e-5
 
 
+def _run_and_kill(command: list[str], latest: Path, rank: int) -> tuple[subprocess.Popen, str, list]:
+    """Launch ``command``, SIGKILL ``rank`` once the first checkpoint exists, wait for the launch to
+    stop; ``(process, its output, the launch's processes as they were after the kill)``."""
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        kill_rank_after_first_checkpoint(proc, latest, rank=rank)
+        try:
+            launch = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:  # the launcher already stopped everything
+            launch = []
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc, output, launch
+
+
 def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
     return deepspeed_json(REPO_ROOT, tmp, zero_stage)
 
@@ -191,24 +203,13 @@ def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_
     """SIGKILL of the worker (rank 2) once a checkpoint exists: torchrun names rank 2 and its
     signal, no process of the launch is left, and the same command resumes every rank (both
     optimizer partitions are in the checkpoint) to the uninterrupted run's end, exactly."""
-    import psutil
-
     from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
 
     tmp, out = runs["tmp"], runs["tmp"] / f"zero{zero_stage}-killed"
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage))
-    proc = subprocess.Popen(_command(config, out, 3), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    try:
-        kill_rank_after_first_checkpoint(proc, latest, rank=2)
-        launch = psutil.Process(proc.pid).children(recursive=True)
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, output, launch = _run_and_kill(_command(config, out, 3), latest, rank=2)
     assert proc.returncode != 0, "the killed run reported success"
     assert "rank      : 2" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
     left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
