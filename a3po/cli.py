@@ -79,7 +79,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
 
     from a3po.config.preflight import read_deepspeed_json, zero_stage
     from a3po.data.datasets import BadRowError
-    from a3po.parallel.ranks import init_ranks
+    from a3po.parallel.ranks import close_ranks, init_ranks
     from a3po.training.metrics import JsonlLogger, NullLogger
     from a3po.training.run import prepare_warmstart, train_variant
 
@@ -121,6 +121,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
         return 1
     bar.n = cfg.rl.steps
     bar.close()
+    close_ranks()
     wall = time.perf_counter() - t0
     if not ranks.is_main:
         return 0

@@ -284,6 +284,22 @@ def _join_launch(ranks: Ranks, deepspeed: bool) -> Ranks:
     return ranks
 
 
+def close_ranks() -> None:
+    """Leave the launch in step: every process waits for the others (rank 0 exports last), then
+    the process groups are torn down before the interpreter exits. A rank that exits with its
+    groups alive can abort in their destructors ("terminate called without an active
+    exception") while the others still finish, failing a run that trained to the end."""
+    global _launch
+    dist = torch.distributed
+    if _launch is not None:
+        _launch[1].launch.share(None)  # a barrier over the whole launch, workers included
+        _launch = None  # the links' gloo groups go with it
+    elif dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _accelerator_backend() -> str:
     from deepspeed.accelerator import get_accelerator
 
