@@ -39,7 +39,7 @@ from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
 from tasks.arms import arm_config, arm_name
 from tasks.links import RunLinks
-from tasks.parity import METRICS, ParityResult, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
+from tasks.parity import METRICS, RULES, ParityResult, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
 from tasks.training import launch_for_config
@@ -108,6 +108,8 @@ def nightly_parity(
     checkpoint_every: int | None = None,
     bench_max_new_tokens: int = 64,
     target_fraction: float = TARGET_FRACTION,
+    rule: str = "noninferiority",
+    noise_sd: float | None = None,
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
@@ -116,7 +118,11 @@ def nightly_parity(
     candidate / references: arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
     OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
-    tolerance: largest acceptable shortfall of the candidate, in the metric's units.
+    tolerance: largest acceptable shortfall of the candidate, in the metric's units (rule noninferiority).
+    rule: ``noninferiority`` (the paired bootstrap per reference with ``tolerance``) or ``shortfall``
+    (a one-sided z-test against the references' per-seed mean with the measured seed-to-seed
+    ``noise_sd`` of those differences; false alarms at ``1 - confidence``; see tasks.parity and
+    bench.nightly_power, which measures ``noise_sd``).
     confidence / n_boot: of the paired bootstrap. history: earlier nights in the trend.
     overrides / variant_overrides: as in compare_variants (e.g. a planted regression:
     ``{"loglinear": {"advantage": "planted_negated"}}``). output_dir: default
@@ -128,6 +134,10 @@ def nightly_parity(
     t0 = time.perf_counter()
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule == "shortfall" and not (noise_sd or 0) > 0:
+        raise ValueError(f"rule 'shortfall' needs noise_sd > 0 (measure it with python -m bench.nightly_power), got {noise_sd!r}")
     base = spec.train_config()
     candidate, references = check_arms(spec, candidate, list(references))
     arms = list(dict.fromkeys([candidate, *references]))
@@ -135,13 +145,15 @@ def nightly_parity(
     out = spec.output_folder()
     commit = git_commit()
     flow_values = dict(preset=preset, seeds=spec.seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
-                       confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides)
+                       confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides,
+                       rule=rule, noise_sd=noise_sd)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags}
     with parent_run(spec, out, f"nightly-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
         records, links, summary = compare_and_summarise(spec, base, ref, out, arms, launch=launched)
-        results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
-        trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, references, history)
+        results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac,
+                                                             rule, noise_sd)]
+        trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results], history)
         verdict = "pass" if all(r.passed for r in results) else "fail"
         report = report_markdown(results, trend)
         trend_line = trend_verdict(results, trend)
@@ -177,7 +189,10 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
     ap.add_argument("--candidate", default="loglinear")
     ap.add_argument("--references", default="recompute,sync")
     ap.add_argument("--metric", default="final_reward", choices=METRICS)
-    ap.add_argument("--tolerance", type=float, default=0.1, help="largest acceptable shortfall (metric units)")
+    ap.add_argument("--tolerance", type=float, default=0.1, help="largest acceptable shortfall (metric units; rule noninferiority)")
+    ap.add_argument("--rule", default="noninferiority", choices=RULES,
+                    help="noninferiority: paired bootstrap per reference; shortfall: z-test against the pooled references with --noise-sd")
+    ap.add_argument("--noise-sd", type=float, default=None, help="seed-to-seed sd of the pooled differences (rule shortfall; bench.nightly_power)")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--history", type=int, default=14, help="earlier nights to compare with")
@@ -188,9 +203,11 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
 def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_parity") -> int:
     args = build_parser(prog).parse_args(argv)
     own = dict(candidate=args.candidate, references=csv(args.references), metric=args.metric, tolerance=args.tolerance,
-               confidence=args.confidence, n_boot=args.n_boot, history=args.history)
+               confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd)
 
     def check(spec: ComparisonSpec) -> None:
+        if own["rule"] == "shortfall" and not (own["noise_sd"] or 0) > 0:
+            raise ValueError("--rule shortfall needs --noise-sd > 0: the seed-to-seed sd that python -m bench.nightly_power measures")
         check_arms(spec, own["candidate"], own["references"])
         launch_for_config(spec.launch_spec(), spec.train_config())
 

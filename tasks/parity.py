@@ -19,11 +19,21 @@ bound lies at or near the smallest ``d_s``, so the rule is conservative (a pass 
 seed, more or less, within tolerance). A regression larger than the tolerance on most seeds
 fails; run-to-run noise smaller than the tolerance passes. ``tolerance`` is in the metric's
 units (reward and accuracy: absolute, 0..1).
+
+The ``shortfall`` rule (:func:`shortfall_test`), chosen by the power analysis of recorded runs
+(``bench.nightly_power``, docs/pipeline.md): the references' per-seed mean is one pooled
+reference (their noise averages, and one test instead of one per reference keeps the false
+alarms at alpha), ``d_s = m(candidate, s) - mean_r m(r, s)``; with the seed-to-seed standard
+deviation ``sigma`` of ``d`` measured beforehand at the same budget, **fail** iff
+``mean(d) < -z_{confidence} * sigma / sqrt(K)``: a one-sided z-test of "no regression" at false
+alarm rate ``1 - confidence``, whose power against a true shortfall ``delta`` is
+``Phi(delta sqrt(K) / sigma - z_{confidence})``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,6 +44,8 @@ from tasks.arms import metric_key_part
 from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history
 
 METRICS = ("final_reward", "final_acc")
+RULES = ("noninferiority", "shortfall")
+POOLED = "pooled"  # the shortfall rule's one reference: the per-seed mean of the references
 
 
 @dataclass(frozen=True)
@@ -46,9 +58,12 @@ class ParityResult:
     mean_diff: float
     ci_low: float
     ci_high: float
-    tolerance: float
+    tolerance: float  # largest acceptable shortfall; the shortfall rule's is z * sigma / sqrt(K)
     confidence: float
     passed: bool
+    rule: str = "noninferiority"
+    noise_sd: float | None = None  # the shortfall rule's sigma
+    pooled: tuple[str, ...] = ()  # the references a pooled reference averages
 
 
 def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
@@ -61,6 +76,23 @@ def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence
     alpha = (1.0 - confidence) / 2
     low, high = np.quantile(means, [alpha, 1.0 - alpha])
     return float(d.mean()), float(low), float(high)
+
+
+def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95) -> tuple[float, float, float, float, bool]:
+    """``(mean, low, high, threshold, passed)`` of the one-sided z-test of "no regression":
+    ``mean = (1/K) sum_s d_s``, ``threshold = z_c * sigma / sqrt(K)`` with ``z_c`` the standard
+    normal's ``confidence`` quantile, ``[low, high] = mean -+ threshold``; **fail** iff
+    ``mean < -threshold`` (equivalently ``high < 0``: the candidate is worse at that confidence).
+    Under no regression a fail happens with probability ``1 - confidence``; against a true
+    shortfall ``delta`` with probability ``Phi(delta sqrt(K) / sigma - z_c)``."""
+    d = np.asarray(diffs, dtype=float)
+    if d.size == 0:
+        raise ValueError("no paired differences")
+    if not noise_sd > 0 or not 0.5 < confidence < 1:
+        raise ValueError(f"the shortfall rule needs noise_sd > 0 and confidence in (0.5, 1), got {noise_sd} and {confidence}")
+    threshold = NormalDist().inv_cdf(confidence) * noise_sd / np.sqrt(d.size)
+    mean = float(d.mean())
+    return mean, mean - threshold, mean + threshold, float(threshold), bool(mean >= -threshold)
 
 
 def run_metric(record: dict[str, Any], metric: str, smooth_frac: float = SMOOTH_FRAC) -> float:
@@ -81,13 +113,28 @@ def decide(
     confidence: float = 0.95,
     n_boot: int = 10_000,
     smooth_frac: float = SMOOTH_FRAC,
+    rule: str = "noninferiority",
+    noise_sd: float | None = None,
 ) -> list[ParityResult]:
-    """One :class:`ParityResult` per reference, over the seeds both variants ran."""
+    """``noninferiority``: one :class:`ParityResult` per reference, over the seeds both arms ran;
+    ``shortfall``: one against the pooled references, over the seeds every arm ran."""
     values: dict[str, dict[int, float]] = {}
     for r in records:
         values.setdefault(arm_of(r), {})[int(r["seed"])] = run_metric(r, metric, smooth_frac)
     if candidate not in values:
         raise ValueError(f"candidate {candidate!r} has no runs")
+    if rule == "shortfall":
+        if noise_sd is None:
+            raise ValueError("the shortfall rule needs noise_sd: the seed-to-seed sd of the pooled differences (bench.nightly_power)")
+        seeds = sorted(set(values[candidate]).intersection(*(values.get(ref, {}) for ref in references)))
+        if not seeds:
+            raise ValueError(f"no seeds shared by {candidate!r} and every reference of {list(references)}")
+        diffs = [values[candidate][s] - float(np.mean([values[ref][s] for ref in references])) for s in seeds]
+        mean, low, high, threshold, passed = shortfall_test(diffs, noise_sd, confidence)
+        return [ParityResult(candidate, POOLED, metric, seeds, diffs, mean, low, high, threshold, confidence, passed,
+                             rule, noise_sd, tuple(references))]
+    if rule != "noninferiority":
+        raise ValueError(f"unknown parity rule {rule!r}; valid: {RULES}")
     out = []
     for ref in references:
         seeds = sorted(set(values[candidate]) & set(values.get(ref, {})))
@@ -114,8 +161,9 @@ def report_markdown(results: Sequence[ParityResult], trend: Sequence[dict[str, A
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        against = f"{r.reference}({', '.join(r.pooled)})" if r.pooled else r.reference
         lines.append(
-            f"| {r.candidate} vs {r.reference} | {r.metric} | {len(r.seeds)} | {', '.join(f'{d:+.3f}' for d in r.diffs)} | "
+            f"| {r.candidate} vs {against} | {r.metric} | {len(r.seeds)} | {', '.join(f'{d:+.3f}' for d in r.diffs)} | "
             f"{r.mean_diff:+.3f} | {r.ci_low:+.3f} | {r.ci_high:+.3f} | {r.tolerance:.3f} | {'pass' if r.passed else 'FAIL'} |"
         )
     if trend:
@@ -158,9 +206,11 @@ def decide_parity(
     confidence: float,
     n_boot: int,
     smooth_frac: float,
+    rule: str = "noninferiority",
+    noise_sd: float | None = None,
 ) -> list[dict[str, Any]]:
-    """The parity decision per reference, as plain dicts."""
-    return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac)]
+    """The parity decision (per reference, or against the pooled references), as plain dicts."""
+    return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac, rule, noise_sd)]
 
 
 @task(cache_policy=NO_CACHE)

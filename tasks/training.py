@@ -150,6 +150,7 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
         "a3po.seed": str(cfg.rl.seed),
         "a3po.run_dir": str(run_dir),
         "a3po.config_hash": config_hash(cfg),
+        **topology_tags(run_topology(cfg, None)),
         **prefect_ids(),
     }
     run_id = create_run(client, ref.experiment_id, run_dir.name, tags, config_to_dict(cfg), parent_run_id=ref.parent_run_id)
@@ -278,6 +279,20 @@ def launched_argv(cfg: TrainConfig, run_dir: str | Path) -> list[str]:
             "--seed", str(cfg.rl.seed), "--output-dir", str(rd), "--no-progress"]
 
 
+def run_topology(cfg: TrainConfig, spec: LaunchSpec | None) -> dict[str, Any]:
+    """One run's topology, for its child run: the launch's (mode, nodes, ranks per node, world
+    size, devices) and what the ranks are: trainer ranks, rollout workers, the rollout engine and
+    the ZeRO stage the config's DeepSpeed JSON gives (None without DeepSpeed)."""
+    from a3po.config.preflight import read_deepspeed_json, zero_stage
+
+    ds = cfg.distributed.deepspeed_config
+    topo = spec.topology() if spec is not None else {"mode": "local", "nodes": 1, "ranks_per_node": 1, "world_size": 1, "devices": None}
+    workers = cfg.distributed.rollout_workers
+    world = topo["world_size"]
+    return {**topo, "trainer_ranks": world - workers if world is not None else None, "rollout_workers": workers,
+            "engine": cfg.rollout.engine, "zero_stage": zero_stage(read_deepspeed_json(ds, cfg.rl.grad_clip)) if ds else None}
+
+
 def topology_tags(topology: dict[str, Any]) -> dict[str, str]:
     return {f"a3po.launch.{k}": str(v) for k, v in topology.items()}
 
@@ -402,7 +417,7 @@ def train_launched(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, trackin
     """The launched counterpart of :func:`train_variant` (called from a flow): config YAML ->
     ``launch_ranks`` running ``python -m a3po.cli train`` -> the CLI's results -> the child run.
     Re-running resumes (the CLI resumes from its checkpoints in the same run dir)."""
-    topology = spec.topology()
+    topology = run_topology(cfg, spec)
     run_id = prepare_launched_run(cfg, run_dir, warmstart, tracking, topology)
     try:
         launched = launch_ranks(spec, launched_argv(cfg, run_dir))

@@ -11,7 +11,7 @@ import pytest
 
 from flows.cli import parse_sets
 from tasks.evaluation import available_benchmarks
-from tasks.parity import decide, paired_bootstrap_ci
+from tasks.parity import decide, paired_bootstrap_ci, shortfall_test
 from tasks.summary import ArmRun, compare, smooth, table, time_to_target, window
 from tasks.tracking import MlflowMetricLogger, client_for, create_run, ensure_experiment, flatten
 
@@ -143,6 +143,25 @@ def test_parity_rule_passes_noise_and_fails_a_regression():
     broken = [_rec("recompute", s, 0.40) for s in range(3)] + [_rec("loglinear", s, r) for s, r in enumerate((0.10, 0.05, 0.38))]
     (res,) = decide(broken, "loglinear", ["recompute"], tolerance=0.1)
     assert not res.passed and res.ci_low < -0.1
+
+
+def test_shortfall_rule_pools_the_references_and_fails_below_z_sigma_over_root_k():
+    # sigma 0.04, K 4, 95%: threshold = 1.6448536 * 0.04 / 2 = 0.0328971.
+    refs = [_rec("recompute", s, r) for s, r in enumerate((0.41, 0.40, 0.40, 0.40))] + \
+           [_rec("sync", s, r) for s, r in enumerate((0.39, 0.40, 0.42, 0.38))]  # per-seed mean 0.40, 0.40, 0.41, 0.39
+    healthy = refs + [_rec("loglinear", s, r) for s, r in enumerate((0.40, 0.38, 0.41, 0.37))]
+    (res,) = decide(healthy, "loglinear", ["recompute", "sync"], rule="shortfall", noise_sd=0.04)
+    assert (res.reference, res.pooled, res.rule) == ("pooled", ("recompute", "sync"), "shortfall")
+    assert res.diffs == pytest.approx([0.0, -0.02, 0.0, -0.02]) and res.mean_diff == pytest.approx(-0.01)
+    assert res.tolerance == pytest.approx(0.0328971, abs=1e-7) and res.ci_high == pytest.approx(0.0228971, abs=1e-7) and res.passed
+    broken = refs + [_rec("loglinear", s, r) for s, r in enumerate((0.35, 0.36, 0.37, 0.33))]  # d = -0.05, -0.04, -0.04, -0.06
+    (res,) = decide(broken, "loglinear", ["recompute", "sync"], rule="shortfall", noise_sd=0.04)
+    assert res.mean_diff == pytest.approx(-0.0475) and not res.passed
+    # Exactly at the threshold passes; the threshold shrinks as 1/sqrt(K).
+    assert shortfall_test([-0.03289], 0.02, 0.95)[4] is True and shortfall_test([-0.03291], 0.02, 0.95)[4] is False
+    assert shortfall_test([0.0] * 16, 0.04, 0.95)[3] == pytest.approx(0.0164485, abs=1e-7)
+    with pytest.raises(ValueError, match="noise_sd"):
+        decide(healthy, "loglinear", ["recompute", "sync"], rule="shortfall")
 
 
 def test_missing_benchmark_data_is_skipped_with_a_reason(tmp_path):

@@ -158,6 +158,35 @@ def test_two_loopback_nodes_and_one_node_of_two_zero2_ranks_train_alike_and_reco
         assert any(m.startswith("[rank 1] ") for m in logs)
 
 
+@needs_deepspeed
+@pytest.mark.slow
+def test_comparison_launched_on_zero_ranks_and_a_rollout_worker_records_the_roles(prefect_server, tmp_path):
+    """The production topology through the flow: 3 processes, 2 ZeRO-2 trainer ranks + 1 rollout
+    worker, every variant; each child run says what its ranks were."""
+    import mlflow
+
+    from flows.compare_variants import compare_variants
+
+    common = {**_common(tmp_path, "production", steps=3), "variants": ["sync", "loglinear"],
+              "overrides": {"distributed": {"deepspeed_config": ZERO2, "rollout_workers": 1}}}
+    res = compare_variants(**common, output_dir=str(tmp_path / "out"), launch={"mode": "torchrun", "nproc_per_node": 3})
+    assert sorted(r["variant"] for r in res["runs"]) == ["loglinear", "sync"]
+    mlflow.set_tracking_uri(common["tracking_uri"])
+    runs = mlflow.search_runs(experiment_names=["production"])
+    for run in res["runs"]:
+        child = runs[runs["run_id"] == run["mlflow_run_id"]].iloc[0]
+        assert child["status"] == "FINISHED" and len(without_timing(run["history_path"])) == 3
+        assert (child["params.launch.world_size"], child["params.launch.trainer_ranks"], child["params.launch.rollout_workers"]) == ("3", "2", "1")
+        assert (child["params.launch.engine"], child["params.launch.zero_stage"]) == ("torch", "2")
+        tags = [child[f"tags.a3po.launch.{k}"] for k in ("trainer_ranks", "rollout_workers", "zero_stage")]
+        assert tags == ["2", "1", "2"]
+    parent = runs[runs["run_id"] == res["parent_run_id"]].iloc[0]
+    logs = flow_logs(parent["tags.prefect.flow_run_id"])
+    reported = [json.loads(m[len("[rank 0] "):]) for m in logs if m.startswith('[rank 0] {"variant"')]
+    assert sorted((r["variant"], r["world_size"], r["rollout_workers"], r["zero_stage"]) for r in reported) == \
+        [("loglinear", 2, 1, 2), ("sync", 2, 1, 2)], reported
+
+
 def _processes_naming(text: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):

@@ -1,0 +1,229 @@
+"""Power of the nightly verdict, from recorded runs: which rule catches a 0.05 shortfall?
+
+The nightly (``flows.nightly_parity``) trains the candidate (loglinear) and the references
+(recompute, sync) on K seeds and decides from the per-seed paired differences of the final
+smoothed reward. Whether a rule catches a regression of a given size, and how often it cries
+wolf, depends on the seed-to-seed noise of those differences at the nightly budget: this
+measures it. It runs (or reuses) ``a3po train`` per steps x arm x seed under ``--runs-dir``
+(``steps<S>/<variant>-seed<s>``; planted candidates in ``steps<S>-<plant>/``,
+:mod:`bench._planted`), then reports:
+
+1. the noise: per steps budget, the paired differences' mean and standard deviation against
+   each reference and against the references' mean (the pooled reference);
+2. the power table: per rule x steps x K seeds x effect size, the probability of a fail
+   verdict; effect 0 is the false-alarm rate. Two estimates: *resampled* (every K-subset of the
+   recorded seeds, the candidate's figures shifted down by the effect: no model of the noise)
+   and *normal* (20,000 draws from the fitted normal of the per-seed differences: smooth in K);
+3. the cost: the measured RL wall per run and the nightly's wall for K seeds;
+4. the planted regressions' own shortfall and verdicts, where recorded.
+
+Rules (:data:`tasks.parity.PARITY_RULES`): ``noninferiority`` (the paired bootstrap against each
+reference with a tolerance, the nightly's original rule) and ``shortfall`` (a one-sided z-test of
+the mean difference against the pooled reference with the noise standard deviation measured here:
+fail iff ``mean(d) < -z_{1-alpha} sigma / sqrt(K)``).
+
+    python -m bench.nightly_power --runs-dir runs/power --seeds 0-9 --steps 150,75            # run what is missing, report
+    python -m bench.nightly_power --runs-dir runs/power --seeds 0-5 --steps 150 --plants lr_half,biased_advantage
+    python -m bench.nightly_power --runs-dir runs/power --report-only
+
+Prints the tables, then as the very last line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+
+CANDIDATE, REFERENCES = "loglinear", ("recompute", "sync")
+EFFECTS = (0.0, 0.03, 0.05, 0.1)
+ALPHA = 0.05
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-9`` or ``0,1,2``."""
+    if "-" in text and "," not in text:
+        lo, hi = (int(x) for x in text.split("-"))
+        return list(range(lo, hi + 1))
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run_folder(runs: Path, steps: int, plant: str | None) -> Path:
+    return runs / (f"steps{steps}" if plant is None else f"steps{steps}-{plant}")
+
+
+def collect(runs: Path, preset: str, steps: int, seeds: list[int], plant: str | None, config: str | None = None) -> None:
+    """Train what is missing: every arm on every seed (a plant: the candidate only). Planted
+    folders share the healthy folder's warm start (same config up to the candidate's rl)."""
+    out = run_folder(runs, steps, plant)
+    out.mkdir(parents=True, exist_ok=True)
+    if plant is not None and not (out / "cache").exists():
+        (out / "cache").symlink_to(Path("..") / run_folder(runs, steps, None).name / "cache")
+        (run_folder(runs, steps, None) / "cache").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true"}
+    for seed in seeds:
+        for variant in (CANDIDATE,) if plant else (CANDIDATE, *REFERENCES):
+            if (out / f"{variant}-seed{seed}" / "result.json").exists():
+                continue
+            train = ["train", "--variant", variant, "--seed", str(seed), "--steps", str(steps), "--preset", preset,
+                     "--output-dir", str(out), "--no-progress", *(["--config", config] if config else [])]
+            cmd = [sys.executable, "-m", "bench._planted", plant, "--", *train] if plant else [sys.executable, "-m", "a3po.cli", *train]
+            print(f"train {out.name}/{variant}-seed{seed}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def load(runs: Path, steps: int, plant: str | None) -> dict[str, dict[int, dict[str, float]]]:
+    """``{variant: {seed: {final_reward, rl_wall_s}}}`` of the finished runs in a folder."""
+    from tasks.summary import final_reward, read_history
+
+    found: dict[str, dict[int, dict[str, float]]] = {}
+    for result in sorted(run_folder(runs, steps, plant).glob("*-seed*/result.json")):
+        variant, seed = result.parent.name.rsplit("-seed", 1)
+        summary = json.loads(result.read_text())
+        found.setdefault(variant, {})[int(seed)] = {
+            "final_reward": final_reward(read_history(result.parent / "metrics.jsonl")),
+            "rl_wall_s": float(summary["wall_s"]),
+        }
+    return found
+
+
+def paired(values: dict[str, dict[int, dict[str, float]]], candidate: dict[int, dict[str, float]] | None = None) -> tuple[list[int], np.ndarray]:
+    """Seeds every arm ran and the (K, 2) per-seed differences candidate - each reference."""
+    cand = values.get(CANDIDATE, {}) if candidate is None else candidate
+    seeds = sorted(set(cand).intersection(*(values.get(r, {}) for r in REFERENCES)))
+    d = np.array([[cand[s]["final_reward"] - values[r][s]["final_reward"] for r in REFERENCES] for s in seeds]).reshape(-1, len(REFERENCES))
+    return seeds, d
+
+
+def verdict_fails(rule: str, d: np.ndarray, sigma: float, tolerance: float) -> bool:
+    """The rule's verdict on one night's (K, 2) differences: True = fail."""
+    from tasks.parity import paired_bootstrap_ci, shortfall_test
+
+    if rule == "noninferiority":  # the nightly's defaults: 95% interval, fail iff its low end <= -tolerance
+        return any(paired_bootstrap_ci(d[:, j], n_boot=2000, confidence=0.95)[1] <= -tolerance for j in range(d.shape[1]))
+    if rule == "shortfall":
+        return not shortfall_test(d.mean(axis=1), sigma, 1 - ALPHA)[4]
+    raise KeyError(rule)
+
+
+def fail_rate_resampled(rule: str, d: np.ndarray, k: int, effect: float, sigma: float, tolerance: float, cap: int = 400) -> float:
+    """Every K-subset of the recorded seeds (at most ``cap``, evenly spread), the candidate shifted down by ``effect``."""
+    subsets = list(itertools.combinations(range(len(d)), k))
+    if len(subsets) > cap:
+        subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
+    return float(np.mean([verdict_fails(rule, d[list(s)] - effect, sigma, tolerance) for s in subsets]))
+
+
+def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, sigma: float, tolerance: float, draws: int) -> float:
+    """Draws of K seeds from the normal fitted to the per-seed difference pairs, shifted down by ``effect``."""
+    rng = np.random.default_rng(0)
+    mean, cov = d.mean(axis=0), np.cov(d, rowvar=False)
+    nights = rng.multivariate_normal(mean - effect, cov, size=(draws, k))
+    if rule == "shortfall":  # vectorised, with the rule's own threshold
+        from tasks.parity import shortfall_test
+
+        return float(np.mean(nights.mean(axis=2).mean(axis=1) < -shortfall_test([0.0] * k, sigma, 1 - ALPHA)[3]))
+    return float(np.mean([verdict_fails(rule, n, sigma, tolerance) for n in nights[: min(draws, 2000)]]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.nightly_power", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs-dir", default="runs/power")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--config", default=None, help="YAML over the preset for every run (e.g. thread counts: torch_threads: 1)")
+    ap.add_argument("--steps", default="150", help="comma-separated RL step budgets")
+    ap.add_argument("--seeds", default="0-9", help="0-9 or 0,1,2")
+    ap.add_argument("--plants", default="", help="comma-separated planted regressions to run on the candidate (bench._planted)")
+    ap.add_argument("--plant-seeds", default=None, help="seeds of the planted runs (default: --seeds)")
+    ap.add_argument("--ks", default="3,4,5,6,8", help="K seeds per night to evaluate")
+    ap.add_argument("--tolerance", type=float, default=0.1, help="the noninferiority rule's tolerance")
+    ap.add_argument("--draws", type=int, default=20_000)
+    ap.add_argument("--report-only", action="store_true", help="use the recorded runs, train nothing")
+    args = ap.parse_args(argv)
+    runs, seeds = Path(args.runs_dir), parse_seeds(args.seeds)
+    budgets = [int(s) for s in args.steps.split(",")]
+    plants = [p for p in args.plants.split(",") if p]
+    plant_seeds = parse_seeds(args.plant_seeds) if args.plant_seeds else seeds
+    if not args.report_only:
+        for steps in budgets:
+            collect(runs, args.preset, steps, seeds, None, args.config)
+            for plant in plants:
+                collect(runs, args.preset, steps, plant_seeds, plant, args.config)
+
+    z = NormalDist().inv_cdf(1 - ALPHA)
+    figures: dict[str, object] = {"alpha": ALPHA, "budgets": {}}
+    print(f"Noise of the per-seed paired differences (final smoothed reward, {CANDIDATE} - reference):\n")
+    print("| steps | seeds | vs recompute mean / sd | vs sync mean / sd | vs pooled mean / sd | RL wall per run (s) |")
+    print("|---|---|---|---|---|---|")
+    noise = {}
+    for steps in budgets:
+        values = load(runs, steps, None)
+        kept, d = paired(values)
+        if len(kept) < 3:
+            print(f"| {steps} | {len(kept)} | (fewer than 3 seeds recorded) | | | |")
+            continue
+        pooled = d.mean(axis=1)
+        walls = {v: float(np.mean([r["rl_wall_s"] for r in values[v].values()])) for v in (CANDIDATE, *REFERENCES)}
+        noise[steps] = {"d": d, "sigma": float(pooled.std(ddof=1)), "walls": walls, "seeds": kept}
+        print(f"| {steps} | {len(kept)} | {d[:, 0].mean():+.4f} / {d[:, 0].std(ddof=1):.4f} | {d[:, 1].mean():+.4f} / {d[:, 1].std(ddof=1):.4f} | "
+              f"{pooled.mean():+.4f} / {pooled.std(ddof=1):.4f} | " + ", ".join(f"{v} {w:.0f}" for v, w in walls.items()) + " |")
+        figures["budgets"][str(steps)] = {"seeds": len(kept), "sigma_pooled": round(noise[steps]["sigma"], 4),
+                                          "mean_pooled": round(float(pooled.mean()), 4),
+                                          "sd_vs": {r: round(float(d[:, j].std(ddof=1)), 4) for j, r in enumerate(REFERENCES)},
+                                          "rl_wall_s": {v: round(w, 1) for v, w in walls.items()}}
+
+    ks = [int(k) for k in args.ks.split(",")]
+    print("\nProbability of a FAIL verdict (effect 0 = false alarm), resampled seeds / normal model:\n")
+    print("| rule | steps | K | nightly wall (s) | " + " | ".join(f"effect {e:.2f}" for e in EFFECTS) + " |")
+    print("|---|---|---|---|" + "---|" * len(EFFECTS))
+    power: list[dict] = []
+    for rule in ("noninferiority", "shortfall"):
+        for steps, nz in noise.items():
+            for k in ks:
+                wall = k * sum(nz["walls"].values())
+                cells, row = [], {"rule": rule, "steps": steps, "k": k, "nightly_wall_s": round(wall)}
+                for e in EFFECTS:
+                    rs = fail_rate_resampled(rule, nz["d"], k, e, nz["sigma"], args.tolerance) if k < len(nz["d"]) else float("nan")
+                    nm = fail_rate_normal(rule, nz["d"], k, e, nz["sigma"], args.tolerance, args.draws)
+                    cells.append(f"{'-' if np.isnan(rs) else f'{rs:.2f}'} / {nm:.2f}")
+                    row[f"fail@{e:.2f}"] = {"resampled": None if np.isnan(rs) else round(rs, 3), "normal": round(nm, 3)}
+                power.append(row)
+                print(f"| {rule} | {steps} | {k} | {wall:.0f} | " + " | ".join(cells) + " |")
+    figures["power"] = power
+    for steps, nz in noise.items():
+        k_needed = int(np.ceil(((z + NormalDist().inv_cdf(0.8)) * nz["sigma"] / 0.05) ** 2))
+        figures["budgets"][str(steps)]["k_for_0.05_at_80pct"] = k_needed
+        print(f"\nsteps {steps}: shortfall rule, sigma {nz['sigma']:.4f}: K >= {k_needed} seeds detect 0.05 with 80% power "
+              f"at {ALPHA:.0%} false alarms "
+              f"(threshold at K: -{z:.3f} sigma / sqrt(K))")
+
+    planted = {}
+    for steps, nz in noise.items():
+        for plant in plants or [p.name.split("-", 1)[1] for p in runs.glob(f"steps{steps}-*")]:
+            healthy = load(runs, steps, None)
+            cand = load(runs, steps, plant).get(CANDIDATE, {})
+            kept, d = paired(healthy, cand)
+            if not kept:
+                continue
+            pooled = d.mean(axis=1)
+            short = [cand[s]["final_reward"] - healthy[CANDIDATE][s]["final_reward"] for s in kept]
+            verdicts = {rule: "fail" if verdict_fails(rule, d, nz["sigma"], args.tolerance) else "pass" for rule in ("noninferiority", "shortfall")}
+            planted[f"{plant}@{steps}"] = {"seeds": kept, "shortfall_vs_healthy": [round(x, 4) for x in short],
+                                           "mean_vs_pooled": round(float(pooled.mean()), 4), **verdicts}
+            print(f"\nplanted {plant} (steps {steps}, seeds {kept}): vs the healthy candidate {np.mean(short):+.4f} "
+                  f"({', '.join(f'{x:+.3f}' for x in short)}); vs pooled {pooled.mean():+.4f}; verdicts: "
+                  + ", ".join(f"{r} {v}" for r, v in verdicts.items()))
+    figures["planted"] = planted
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
