@@ -102,35 +102,51 @@ def paired(values: dict[str, dict[int, dict[str, float]]], candidate: dict[int, 
     return seeds, d
 
 
-def verdict_fails(rule: str, d: np.ndarray, sigma: float, tolerance: float) -> bool:
-    """The rule's verdict on one night's (K, 2) differences: True = fail."""
+def verdict_fails(rule: str, d: np.ndarray, healthy: tuple[float, float], tolerance: float) -> bool:
+    """The rule's verdict on one night's (K, 2) differences (True = fail); ``healthy`` is the
+    shortfall rule's calibration ``(mu_h, sigma)`` of the pooled differences."""
     from tasks.parity import paired_bootstrap_ci, shortfall_test
 
     if rule == "noninferiority":  # the nightly's defaults: 95% interval, fail iff its low end <= -tolerance
         return any(paired_bootstrap_ci(d[:, j], n_boot=2000, confidence=0.95)[1] <= -tolerance for j in range(d.shape[1]))
     if rule == "shortfall":
-        return not shortfall_test(d.mean(axis=1), sigma, 1 - ALPHA)[4]
+        return not shortfall_test(d.mean(axis=1), healthy[1], 1 - ALPHA, healthy[0])[4]
     raise KeyError(rule)
 
 
-def fail_rate_resampled(rule: str, d: np.ndarray, k: int, effect: float, sigma: float, tolerance: float, cap: int = 400) -> float:
-    """Every K-subset of the recorded seeds (at most ``cap``, evenly spread), the candidate shifted down by ``effect``."""
+def calibrate(d: np.ndarray) -> tuple[float, float]:
+    """``(mu_h, sigma)`` of the pooled differences of healthy runs."""
+    pooled = d.mean(axis=1)
+    return float(pooled.mean()), float(pooled.std(ddof=1))
+
+
+def fail_rate_resampled(rule: str, d: np.ndarray, k: int, effect: float, tolerance: float, cap: int = 300) -> float:
+    """Every K-subset of the recorded seeds (at most ``cap``, evenly spread) as a night, the
+    candidate shifted down by ``effect``; the shortfall rule calibrated on the other seeds only
+    (at least 3), so the estimate is out of sample."""
     subsets = list(itertools.combinations(range(len(d)), k))
     if len(subsets) > cap:
         subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
-    return float(np.mean([verdict_fails(rule, d[list(s)] - effect, sigma, tolerance) for s in subsets]))
+    fails = []
+    for s in subsets:
+        rest = np.delete(d, list(s), axis=0)
+        fails.append(verdict_fails(rule, d[list(s)] - effect, calibrate(rest), tolerance))
+    return float(np.mean(fails))
 
 
-def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, sigma: float, tolerance: float, draws: int) -> float:
-    """Draws of K seeds from the normal fitted to the per-seed difference pairs, shifted down by ``effect``."""
+def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, tolerance: float, draws: int) -> float:
+    """Draws of K seeds from the normal fitted to the per-seed difference pairs, shifted down by
+    ``effect``; the shortfall rule calibrated on all recorded seeds (the normal's own mean and sd)."""
     rng = np.random.default_rng(0)
     mean, cov = d.mean(axis=0), np.cov(d, rowvar=False)
     nights = rng.multivariate_normal(mean - effect, cov, size=(draws, k))
-    if rule == "shortfall":  # vectorised, with the rule's own threshold
+    healthy = calibrate(d)
+    if rule == "shortfall":  # vectorised, with the rule's own tolerance
         from tasks.parity import shortfall_test
 
-        return float(np.mean(nights.mean(axis=2).mean(axis=1) < -shortfall_test([0.0] * k, sigma, 1 - ALPHA)[3]))
-    return float(np.mean([verdict_fails(rule, n, sigma, tolerance) for n in nights[: min(draws, 2000)]]))
+        tol = shortfall_test([0.0] * k, healthy[1], 1 - ALPHA, healthy[0])[3]
+        return float(np.mean(nights.mean(axis=2).mean(axis=1) < -tol))
+    return float(np.mean([verdict_fails(rule, n, healthy, tolerance) for n in nights[: min(draws, 2000)]]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {steps} | {len(kept)} | (fewer than 3 seeds recorded) | | | |")
             continue
         pooled = d.mean(axis=1)
-        walls = {v: float(np.mean([r["rl_wall_s"] for r in values[v].values()])) for v in (CANDIDATE, *REFERENCES)}
+        walls = {v: float(np.median([r["rl_wall_s"] for r in values[v].values()])) for v in (CANDIDATE, *REFERENCES)}
         noise[steps] = {"d": d, "sigma": float(pooled.std(ddof=1)), "walls": walls, "seeds": kept}
         print(f"| {steps} | {len(kept)} | {d[:, 0].mean():+.4f} / {d[:, 0].std(ddof=1):.4f} | {d[:, 1].mean():+.4f} / {d[:, 1].std(ddof=1):.4f} | "
               f"{pooled.mean():+.4f} / {pooled.std(ddof=1):.4f} | " + ", ".join(f"{v} {w:.0f}" for v, w in walls.items()) + " |")
@@ -190,19 +206,20 @@ def main(argv: list[str] | None = None) -> int:
                 wall = k * sum(nz["walls"].values())
                 cells, row = [], {"rule": rule, "steps": steps, "k": k, "nightly_wall_s": round(wall)}
                 for e in EFFECTS:
-                    rs = fail_rate_resampled(rule, nz["d"], k, e, nz["sigma"], args.tolerance) if k < len(nz["d"]) else float("nan")
-                    nm = fail_rate_normal(rule, nz["d"], k, e, nz["sigma"], args.tolerance, args.draws)
+                    rs = fail_rate_resampled(rule, nz["d"], k, e, args.tolerance) if k <= len(nz["d"]) - 3 else float("nan")
+                    nm = fail_rate_normal(rule, nz["d"], k, e, args.tolerance, args.draws)
                     cells.append(f"{'-' if np.isnan(rs) else f'{rs:.2f}'} / {nm:.2f}")
                     row[f"fail@{e:.2f}"] = {"resampled": None if np.isnan(rs) else round(rs, 3), "normal": round(nm, 3)}
                 power.append(row)
                 print(f"| {rule} | {steps} | {k} | {wall:.0f} | " + " | ".join(cells) + " |")
     figures["power"] = power
     for steps, nz in noise.items():
-        k_needed = int(np.ceil(((z + NormalDist().inv_cdf(0.8)) * nz["sigma"] / 0.05) ** 2))
-        figures["budgets"][str(steps)]["k_for_0.05_at_80pct"] = k_needed
-        print(f"\nsteps {steps}: shortfall rule, sigma {nz['sigma']:.4f}: K >= {k_needed} seeds detect 0.05 with 80% power "
-              f"at {ALPHA:.0%} false alarms "
-              f"(threshold at K: -{z:.3f} sigma / sqrt(K))")
+        mu, sigma = calibrate(nz["d"])
+        k_needed = int(np.ceil(((z + NormalDist().inv_cdf(0.8)) * sigma / 0.05) ** 2))
+        figures["budgets"][str(steps)].update({"k_for_0.05_at_80pct": k_needed, "healthy_mean": round(mu, 4), "noise_sd": round(sigma, 4)})
+        print(f"\nsteps {steps}: calibration of the shortfall rule: healthy_mean {mu:+.4f}, noise_sd {sigma:.4f} ({len(nz['d'])} seeds); "
+              f"K >= {k_needed} seed(s) detect 0.05 with 80% power at {ALPHA:.0%} false alarms; tolerance at K seeds: "
+              f"{-mu:+.4f} + {z:.3f} x {sigma:.4f} / sqrt(K)")
 
     planted = {}
     for steps, nz in noise.items():
@@ -214,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pooled = d.mean(axis=1)
             short = [cand[s]["final_reward"] - healthy[CANDIDATE][s]["final_reward"] for s in kept]
-            verdicts = {rule: "fail" if verdict_fails(rule, d, nz["sigma"], args.tolerance) else "pass" for rule in ("noninferiority", "shortfall")}
+            verdicts = {rule: "fail" if verdict_fails(rule, d, calibrate(nz["d"]), args.tolerance) else "pass"
+                        for rule in ("noninferiority", "shortfall")}
             planted[f"{plant}@{steps}"] = {"seeds": kept, "shortfall_vs_healthy": [round(x, 4) for x in short],
                                            "mean_vs_pooled": round(float(pooled.mean()), 4), **verdicts}
             print(f"\nplanted {plant} (steps {steps}, seeds {kept}): vs the healthy candidate {np.mean(short):+.4f} "

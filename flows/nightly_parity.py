@@ -39,7 +39,7 @@ from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
 from tasks.arms import arm_config, arm_name
 from tasks.links import RunLinks
-from tasks.parity import METRICS, RULES, ParityResult, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
+from tasks.parity import METRICS, RULES, ParityResult, calibration_for, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
 from tasks.training import launch_for_config
@@ -72,6 +72,34 @@ def check_arms(spec: ComparisonSpec, candidate: str, references: list[str]) -> t
     base = spec.train_config()
     label = lambda arm: arm_name(arm_config(base, arm, spec.seeds[0]))  # noqa: E731
     return label(candidate), [label(r) for r in references]
+
+
+def resolve_rule(spec: ComparisonSpec, steps: int, candidate: str, references: list[str], metric: str, rule: str,
+                 noise_sd: float | None, healthy_mean: float | None) -> tuple[str, float | None, float | None, str]:
+    """``(rule, noise_sd, healthy_mean, note)``: the rule the night decides with, its calibration
+    (given, or recorded for this setting), and a line saying which and why."""
+    if rule not in (*RULES, "auto"):
+        raise ValueError(f"rule must be one of {[*RULES, 'auto']}, got {rule!r}")
+    if rule == "noninferiority":
+        return rule, None, None, "noninferiority (paired bootstrap per reference, tolerance)"
+    if noise_sd is not None:
+        if not noise_sd > 0:
+            raise ValueError(f"noise_sd must be > 0, got {noise_sd}")
+        mu = healthy_mean or 0.0
+        return "shortfall", noise_sd, mu, f"shortfall with the given calibration (healthy mean {mu:+.4f}, sd {noise_sd:.4f})"
+    shipped = not any((spec.config, spec.overrides, spec.model, spec.dataset, spec.task))
+    try:
+        if not shipped:
+            raise ValueError(f"the recorded calibrations are for the presets as shipped, and this night sets "
+                             f"{[k for k in ('config', 'overrides', 'model', 'dataset', 'task') if getattr(spec, k)]}: measure this setting with "
+                             "python -m bench.nightly_power, then pass noise_sd and healthy_mean")
+        cal = calibration_for(spec.preset, steps, candidate, references, metric)
+    except ValueError as e:
+        if rule == "shortfall":
+            raise
+        return "noninferiority", None, None, f"noninferiority (paired bootstrap per reference, tolerance): no calibration for this setting ({e})"
+    return "shortfall", cal.noise_sd, cal.healthy_mean, (f"shortfall, calibrated on {cal.seeds} seeds (healthy mean {cal.healthy_mean:+.4f}, "
+                                                         f"sd {cal.noise_sd:.4f}; {cal.command})")
 
 
 @flow(name="nightly-parity", log_prints=True)
@@ -108,8 +136,9 @@ def nightly_parity(
     checkpoint_every: int | None = None,
     bench_max_new_tokens: int = 64,
     target_fraction: float = TARGET_FRACTION,
-    rule: str = "noninferiority",
+    rule: str = "auto",
     noise_sd: float | None = None,
+    healthy_mean: float | None = None,
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
@@ -119,10 +148,12 @@ def nightly_parity(
     OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
     tolerance: largest acceptable shortfall of the candidate, in the metric's units (rule noninferiority).
-    rule: ``noninferiority`` (the paired bootstrap per reference with ``tolerance``) or ``shortfall``
-    (a one-sided z-test against the references' per-seed mean with the measured seed-to-seed
-    ``noise_sd`` of those differences; false alarms at ``1 - confidence``; see tasks.parity and
-    bench.nightly_power, which measures ``noise_sd``).
+    rule: ``shortfall`` (a one-sided z-test of the candidate's per-seed difference to the
+    references' mean against the healthy candidate's, ``healthy_mean`` and ``noise_sd``, measured
+    by bench.nightly_power; false alarms at ``1 - confidence``; see tasks.parity),
+    ``noninferiority`` (the paired bootstrap per reference with ``tolerance``), or ``auto``:
+    shortfall with the recorded calibration where the setting has one (tasks.parity.CALIBRATIONS:
+    the preset as shipped, no config, overrides, model, dataset or task), else noninferiority.
     confidence / n_boot: of the paired bootstrap. history: earlier nights in the trend.
     overrides / variant_overrides: as in compare_variants (e.g. a planted regression:
     ``{"loglinear": {"advantage": "planted_negated"}}``). output_dir: default
@@ -134,28 +165,25 @@ def nightly_parity(
     t0 = time.perf_counter()
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if rule == "shortfall" and not (noise_sd or 0) > 0:
-        raise ValueError(f"rule 'shortfall' needs noise_sd > 0 (measure it with python -m bench.nightly_power), got {noise_sd!r}")
     base = spec.train_config()
     candidate, references = check_arms(spec, candidate, list(references))
+    rule, noise_sd, healthy_mean, rule_note = resolve_rule(spec, base.rl.steps, candidate, references, metric, rule, noise_sd, healthy_mean)
     arms = list(dict.fromkeys([candidate, *references]))
     launched = launch_for_config(spec.launch_spec(), base)  # the ZeRO stage the ranks will run, for the record
     out = spec.output_folder()
     commit = git_commit()
     flow_values = dict(preset=preset, seeds=spec.seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
                        confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides,
-                       rule=rule, noise_sd=noise_sd)
+                       rule=rule, noise_sd=noise_sd, healthy_mean=healthy_mean)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags}
     with parent_run(spec, out, f"nightly-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
         records, links, summary = compare_and_summarise(spec, base, ref, out, arms, launch=launched)
         results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac,
-                                                             rule, noise_sd)]
+                                                             rule, noise_sd, healthy_mean or 0.0)]
         trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results], history)
         verdict = "pass" if all(r.passed for r in results) else "fail"
-        report = report_markdown(results, trend)
+        report = f"Rule: {rule_note}\n\n" + report_markdown(results, trend)
         trend_line = trend_verdict(results, trend)
         (out / "summary" / "parity.md").write_text(f"# Nightly parity: {verdict}\n\n{report}\nTrend: {trend_line}\n")
         (out / "summary" / "parity.json").write_text(json.dumps({"verdict": verdict, "results": [r.__dict__ for r in results], "trend": trend},
@@ -190,9 +218,11 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
     ap.add_argument("--references", default="recompute,sync")
     ap.add_argument("--metric", default="final_reward", choices=METRICS)
     ap.add_argument("--tolerance", type=float, default=0.1, help="largest acceptable shortfall (metric units; rule noninferiority)")
-    ap.add_argument("--rule", default="noninferiority", choices=RULES,
-                    help="noninferiority: paired bootstrap per reference; shortfall: z-test against the pooled references with --noise-sd")
-    ap.add_argument("--noise-sd", type=float, default=None, help="seed-to-seed sd of the pooled differences (rule shortfall; bench.nightly_power)")
+    ap.add_argument("--rule", default="auto", choices=[*RULES, "auto"],
+                    help="shortfall: z-test against the healthy candidate's recorded calibration; noninferiority: paired bootstrap per "
+                         "reference with --tolerance; auto (default): shortfall where the setting has a recorded calibration")
+    ap.add_argument("--noise-sd", type=float, default=None, help="the healthy pooled differences' seed-to-seed sd (bench.nightly_power)")
+    ap.add_argument("--healthy-mean", type=float, default=None, help="the healthy pooled differences' mean (bench.nightly_power)")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--history", type=int, default=14, help="earlier nights to compare with")
@@ -203,12 +233,12 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
 def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_parity") -> int:
     args = build_parser(prog).parse_args(argv)
     own = dict(candidate=args.candidate, references=csv(args.references), metric=args.metric, tolerance=args.tolerance,
-               confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd)
+               confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd,
+               healthy_mean=args.healthy_mean)
 
     def check(spec: ComparisonSpec) -> None:
-        if own["rule"] == "shortfall" and not (own["noise_sd"] or 0) > 0:
-            raise ValueError("--rule shortfall needs --noise-sd > 0: the seed-to-seed sd that python -m bench.nightly_power measures")
-        check_arms(spec, own["candidate"], own["references"])
+        cand, refs = check_arms(spec, own["candidate"], own["references"])
+        resolve_rule(spec, spec.train_config().rl.steps, cand, refs, own["metric"], own["rule"], own["noise_sd"], own["healthy_mean"])
         launch_for_config(spec.launch_spec(), spec.train_config())
 
     status, res, api = run_flow("nightly_parity", nightly_parity, NightlySpec, comparison_kwargs(args), own, check)

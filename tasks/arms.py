@@ -44,8 +44,11 @@ def _colocated(d: DistributedConfig) -> dict[str, int]:
 
 @PLACEMENTS.register("disaggregated")
 def _disaggregated(d: DistributedConfig) -> dict[str, int]:
-    # One worker owning half the cores of the machine that builds the comparison, unless the config says otherwise.
-    return {"rollout_workers": d.rollout_workers or 1, "rollout_cores": d.rollout_cores or max(1, usable_cores() // 2)}
+    # One worker owning half the cores of the machine that builds the comparison, unless the config
+    # says otherwise. Beside DeepSpeed ranks the number of trainer ranks per node is the launch's,
+    # unknown here: no pinning unless the config sets rollout_cores (the launch checks it fits).
+    default = 0 if d.deepspeed_config is not None else max(1, usable_cores() // 2)
+    return {"rollout_workers": d.rollout_workers or 1, "rollout_cores": d.rollout_cores or default}
 
 
 def placement_of(cfg: TrainConfig) -> str:

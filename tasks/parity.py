@@ -21,13 +21,16 @@ fails; run-to-run noise smaller than the tolerance passes. ``tolerance`` is in t
 units (reward and accuracy: absolute, 0..1).
 
 The ``shortfall`` rule (:func:`shortfall_test`), chosen by the power analysis of recorded runs
-(``bench.nightly_power``, docs/pipeline.md): the references' per-seed mean is one pooled
-reference (their noise averages, and one test instead of one per reference keeps the false
-alarms at alpha), ``d_s = m(candidate, s) - mean_r m(r, s)``; with the seed-to-seed standard
-deviation ``sigma`` of ``d`` measured beforehand at the same budget, **fail** iff
-``mean(d) < -z_{confidence} * sigma / sqrt(K)``: a one-sided z-test of "no regression" at false
-alarm rate ``1 - confidence``, whose power against a true shortfall ``delta`` is
-``Phi(delta sqrt(K) / sigma - z_{confidence})``.
+(``bench.nightly_power``, docs/pipeline.md): a one-sided test of tonight's candidate against the
+candidate as it was when healthy. The references' per-seed mean is one pooled reference (their
+noise averages, and one test instead of one per reference keeps the false alarms at alpha),
+``d_s = m(candidate, s) - mean_r m(r, s)``. A healthy candidate is not exactly its references:
+the recorded runs give the healthy ``d``'s mean ``mu_h`` (e.g. loglinear a little behind sync)
+and its seed-to-seed standard deviation ``sigma``. **Fail** iff
+``mean(d) < mu_h - z_{confidence} * sigma / sqrt(K)``: false alarms at ``1 - confidence`` for a
+healthy candidate; against a true shortfall ``delta`` the power is
+``Phi(delta sqrt(K) / sigma - z_{confidence})``. ``mu_h`` and ``sigma`` hold for the setting
+they were measured at (preset, steps, candidate, references, metric): :data:`CALIBRATIONS`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,35 @@ class ParityResult:
     rule: str = "noninferiority"
     noise_sd: float | None = None  # the shortfall rule's sigma
     pooled: tuple[str, ...] = ()  # the references a pooled reference averages
+    healthy_mean: float | None = None  # the shortfall rule's mu_h
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The healthy candidate's pooled differences at one setting, from recorded runs."""
+
+    healthy_mean: float  # mu_h
+    noise_sd: float  # sigma
+    seeds: int  # how many seeds measured them
+    command: str  # how they were measured
+
+
+# Measured by bench.nightly_power (docs/results.md, "Nightly power"); the shortfall rule's
+# defaults where the nightly runs these settings: (preset, RL steps) with candidate loglinear,
+# references recompute and sync, metric final_reward (smooth_frac 0.25).
+CALIBRATIONS: dict[tuple[str, int], Calibration] = {}
+CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
+
+
+def calibration_for(preset: str, steps: int, candidate: str, references: Sequence[str], metric: str) -> Calibration:
+    """The recorded calibration of this setting; raises naming how to measure one."""
+    found = CALIBRATIONS.get((preset, steps))
+    if found is None or (candidate, tuple(sorted(references)), metric) != CALIBRATED_ARMS:
+        raise ValueError(f"no recorded calibration for preset {preset!r} at {steps} steps with candidate {candidate!r}, references "
+                         f"{list(references)}, metric {metric!r} (recorded: {sorted(CALIBRATIONS)} for loglinear vs recompute, sync on "
+                         f"final_reward): measure one with python -m bench.nightly_power --preset {preset} --steps {steps}, then "
+                         "pass noise_sd and healthy_mean")
+    return found
 
 
 def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
@@ -78,21 +110,22 @@ def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence
     return float(d.mean()), float(low), float(high)
 
 
-def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95) -> tuple[float, float, float, float, bool]:
-    """``(mean, low, high, threshold, passed)`` of the one-sided z-test of "no regression":
-    ``mean = (1/K) sum_s d_s``, ``threshold = z_c * sigma / sqrt(K)`` with ``z_c`` the standard
-    normal's ``confidence`` quantile, ``[low, high] = mean -+ threshold``; **fail** iff
-    ``mean < -threshold`` (equivalently ``high < 0``: the candidate is worse at that confidence).
-    Under no regression a fail happens with probability ``1 - confidence``; against a true
-    shortfall ``delta`` with probability ``Phi(delta sqrt(K) / sigma - z_c)``."""
+def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95,
+                   healthy_mean: float = 0.0) -> tuple[float, float, float, float, bool]:
+    """``(mean, low, high, tolerance, passed)`` of the one-sided z-test of "no shortfall against
+    the healthy candidate": ``mean = (1/K) sum_s d_s``, ``h = z_c * sigma / sqrt(K)`` with ``z_c``
+    the standard normal's ``confidence`` quantile, ``[low, high] = mean -+ h``; **fail** iff
+    ``mean < mu_h - h`` (``tolerance = h - mu_h``, the largest shortfall that passes). For a
+    healthy candidate (``d ~ N(mu_h, sigma^2)``) a fail happens with probability ``1 - confidence``;
+    with a true shortfall ``delta`` with probability ``Phi(delta sqrt(K) / sigma - z_c)``."""
     d = np.asarray(diffs, dtype=float)
     if d.size == 0:
         raise ValueError("no paired differences")
     if not noise_sd > 0 or not 0.5 < confidence < 1:
         raise ValueError(f"the shortfall rule needs noise_sd > 0 and confidence in (0.5, 1), got {noise_sd} and {confidence}")
-    threshold = NormalDist().inv_cdf(confidence) * noise_sd / np.sqrt(d.size)
+    h = NormalDist().inv_cdf(confidence) * noise_sd / np.sqrt(d.size)
     mean = float(d.mean())
-    return mean, mean - threshold, mean + threshold, float(threshold), bool(mean >= -threshold)
+    return mean, mean - h, mean + h, float(h - healthy_mean), bool(mean >= healthy_mean - h)
 
 
 def run_metric(record: dict[str, Any], metric: str, smooth_frac: float = SMOOTH_FRAC) -> float:
@@ -115,6 +148,7 @@ def decide(
     smooth_frac: float = SMOOTH_FRAC,
     rule: str = "noninferiority",
     noise_sd: float | None = None,
+    healthy_mean: float = 0.0,
 ) -> list[ParityResult]:
     """``noninferiority``: one :class:`ParityResult` per reference, over the seeds both arms ran;
     ``shortfall``: one against the pooled references, over the seeds every arm ran."""
@@ -130,9 +164,9 @@ def decide(
         if not seeds:
             raise ValueError(f"no seeds shared by {candidate!r} and every reference of {list(references)}")
         diffs = [values[candidate][s] - float(np.mean([values[ref][s] for ref in references])) for s in seeds]
-        mean, low, high, threshold, passed = shortfall_test(diffs, noise_sd, confidence)
-        return [ParityResult(candidate, POOLED, metric, seeds, diffs, mean, low, high, threshold, confidence, passed,
-                             rule, noise_sd, tuple(references))]
+        mean, low, high, tolerance, passed = shortfall_test(diffs, noise_sd, confidence, healthy_mean)
+        return [ParityResult(candidate, POOLED, metric, seeds, diffs, mean, low, high, tolerance, confidence, passed,
+                             rule, noise_sd, tuple(references), healthy_mean)]
     if rule != "noninferiority":
         raise ValueError(f"unknown parity rule {rule!r}; valid: {RULES}")
     out = []
@@ -208,9 +242,11 @@ def decide_parity(
     smooth_frac: float,
     rule: str = "noninferiority",
     noise_sd: float | None = None,
+    healthy_mean: float = 0.0,
 ) -> list[dict[str, Any]]:
     """The parity decision (per reference, or against the pooled references), as plain dicts."""
-    return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac, rule, noise_sd)]
+    return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac, rule, noise_sd,
+                                      healthy_mean)]
 
 
 @task(cache_policy=NO_CACHE)

@@ -310,10 +310,19 @@ def launch_for_config(spec: LaunchSpec, cfg: TrainConfig) -> LaunchSpec:
         raise ValueError(f"launch.zero_stage = {spec.zero_stage} but distributed.deepspeed_config {has}; "
                          "leave launch.zero_stage out: it is read from the config")
     world = spec.topology()["world_size"]
-    trainers = world - cfg.distributed.rollout_workers if world is not None else None  # rollout workers are the last ranks
+    workers, rollout_cores = cfg.distributed.rollout_workers, cfg.distributed.rollout_cores
+    trainers = world - workers if world is not None else None  # rollout workers are the last ranks
     if ds is None and (trainers is None or trainers > 1):
         raise ValueError(f"launch: {world or 'several'} ranks need distributed.deepspeed_config (e.g. "
                          "--set distributed.deepspeed_config=infra/deepspeed_zero2.json); without it each rank would train its own copy")
+    if rollout_cores and trainers is not None and spec.topology()["nodes"] == 1:
+        from a3po.placement.cores import usable_cores
+
+        need, have = trainers + workers * rollout_cores, usable_cores()
+        if need > have:  # every process of this one node owns cores (a3po.placement.cores): refused before any starts
+            raise ValueError(f"distributed.rollout_cores {rollout_cores}: {workers} rollout worker(s) x {rollout_cores} core(s) and "
+                             f"{trainers} trainer rank(s) need {need} cores, this machine has {have}; lower distributed.rollout_cores "
+                             "(0: no pinning) or launch fewer processes")
     return dataclasses.replace(spec, zero_stage=stage)
 
 

@@ -157,6 +157,12 @@ def test_shortfall_rule_pools_the_references_and_fails_below_z_sigma_over_root_k
     broken = refs + [_rec("loglinear", s, r) for s, r in enumerate((0.35, 0.36, 0.37, 0.33))]  # d = -0.05, -0.04, -0.04, -0.06
     (res,) = decide(broken, "loglinear", ["recompute", "sync"], rule="shortfall", noise_sd=0.04)
     assert res.mean_diff == pytest.approx(-0.0475) and not res.passed
+    # Against a healthy candidate recorded 0.02 behind its references the same night passes:
+    # tolerance = 0.0328971 + 0.02; recorded 0.01 behind, it still fails (-0.0475 < -0.0428971).
+    (res,) = decide(broken, "loglinear", ["recompute", "sync"], rule="shortfall", noise_sd=0.04, healthy_mean=-0.02)
+    assert res.passed and res.tolerance == pytest.approx(0.0528971, abs=1e-7) and res.healthy_mean == -0.02
+    (res,) = decide(broken, "loglinear", ["recompute", "sync"], rule="shortfall", noise_sd=0.04, healthy_mean=-0.01)
+    assert not res.passed
     # Exactly at the threshold passes; the threshold shrinks as 1/sqrt(K).
     assert shortfall_test([-0.03289], 0.02, 0.95)[4] is True and shortfall_test([-0.03291], 0.02, 0.95)[4] is False
     assert shortfall_test([0.0] * 16, 0.04, 0.95)[3] == pytest.approx(0.0164485, abs=1e-7)

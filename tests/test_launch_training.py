@@ -62,6 +62,27 @@ def test_launch_spec_takes_the_zero_stage_from_the_deepspeed_config():
         launch_for_config(LaunchSpec(mode="torchrun", nnodes=2, nodes=(0, 1)), _cfg(None))
 
 
+@needs_deepspeed
+def test_pinned_cores_that_do_not_fit_the_launch_are_refused_before_it_starts(monkeypatch):
+    from a3po.config import preset, with_overrides
+    from tasks.arms import arm_config
+    from tasks.training import launch_for_config
+
+    monkeypatch.setattr("a3po.placement.cores.usable_cores", lambda: 2)
+    monkeypatch.setattr("tasks.arms.usable_cores", lambda: 2)
+    three = LaunchSpec(mode="torchrun", nproc_per_node=3)  # 2 ZeRO-2 trainer ranks + 1 rollout worker
+    pinned = with_overrides(preset("micro"), distributed={"deepspeed_config": ZERO2, "rollout_workers": 1, "rollout_cores": 1})
+    with pytest.raises(ValueError, match=re.escape("2 trainer rank(s) need 3 cores, this machine has 2; lower distributed.rollout_cores")):
+        launch_for_config(three, pinned)
+    unpinned = with_overrides(pinned, distributed={"rollout_cores": 0})
+    assert launch_for_config(three, unpinned).topology()["zero_stage"] == 2
+    # The disaggregated placement pins by default only beside one trainer: with DeepSpeed ranks
+    # the launch decides how many trainers share the node.
+    ds = with_overrides(preset("micro"), distributed={"deepspeed_config": ZERO2})
+    assert arm_config(ds, "sync@disaggregated", 0).distributed.rollout_cores == 0
+    assert arm_config(preset("micro"), "sync@disaggregated", 0).distributed.rollout_cores == 1
+
+
 def test_ranks_without_a_deepspeed_config_fail_on_the_command_line_before_any_server(capsys):
     from flows.compare_variants import main
 
