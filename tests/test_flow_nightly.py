@@ -138,3 +138,25 @@ def test_nightly_parity_three_seeds_both_references(prefect_server, tmp_path, ea
     planted = _nightly(tmp_path, easy_dataset, [0, 1, 2], ["recompute", "sync"], 0.1, planted=True, cache=warm_cache)
     _check(planted, "fail", uri)
     assert all(not r["passed"] and r["ci_low"] < -0.2 for r in planted["results"]), planted["report_md"]
+
+
+@pytest.mark.slow
+def test_the_nightly_as_deployed_fails_planted_regressions_and_passes_the_unchanged_candidate(prefect_server, tmp_path):
+    """The nightly with its defaults (tiny preset, its seeds and steps, rule auto: the shortfall
+    rule with the recorded calibration, docs/pipeline.md): the unchanged candidate passes, the
+    learning rate halved and the biased advantage (bench._planted) fail. The planted nights share
+    the output folder, so the references are reused, not retrained."""
+    from a3po.config import preset
+    from bench._planted import plant_overrides
+    from flows.nightly_parity import nightly_parity
+
+    common = dict(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", output_dir=str(tmp_path / "night"), cache_dir=str(tmp_path / "cache"))
+    healthy = nightly_parity(**common)
+    print(healthy["report_md"])
+    (res,) = healthy["results"]
+    assert (res["rule"], res["reference"], healthy["verdict"]) == ("shortfall", "pooled", "pass"), healthy["report_md"]
+    for plant in ("lr_half", "biased_advantage"):
+        night = nightly_parity(**common, variant_overrides={"loglinear": plant_overrides(plant, preset("tiny"))})
+        print(plant, night["report_md"])
+        assert night["verdict"] == "fail", (plant, night["report_md"])
+        assert {r["variant"] for r in night["runs"] if r["resumed_from"] is None} == {"loglinear"}  # only the candidate trained
