@@ -46,10 +46,6 @@ INTRA_KL_COEF = 0.01
 # current limit of this code, said so) and what the user does instead. A check whose message
 # changes fails tests/test_compat_matrix.py until its review here follows.
 REVIEWS = {
-    "ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)":
-        "current limit. The critic is a plain torch module with its own AdamW, not a DeepSpeed engine; under data-parallel "
-        "ranks each would update its own copy on its shard of the minibatch and the copies would drift apart. GAE trains "
-        "with one trainer process (rollouts in process or in a worker).",
     "oppo.intra is supported with rollout.engine torch and distributed.rollout_workers 0 only":
         "a library limit for vLLM, a current limit for workers. Streaming needs a hook called after each decode step; "
         "vLLM's offline `LLM.generate` returns finished sequences only. With rollout workers the scorers (reference, "

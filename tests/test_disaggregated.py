@@ -224,6 +224,29 @@ def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_
     _assert_same_run(_zero_run(runs, zero_stage), resumed)
 
 
+@pytest.mark.slow
+def test_killed_trainer_rank_beside_a_rollout_worker_stops_the_launch_and_the_rerun_resumes_exactly(runs):
+    """SIGKILL of trainer rank 1 (2 ZeRO-2 ranks + 1 worker) once a checkpoint exists: torchrun
+    names rank 1 and its signal, no process of the launch is left (rank 0 and the worker, blocked
+    in collectives with the dead rank or with each other, are stopped), and the same command
+    resumes to the uninterrupted run's end, exactly."""
+    tmp, out = runs["tmp"], runs["tmp"] / "zero2-killed-trainer"
+    _share_warmstart(tmp / "single", out)
+    config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, 2))
+    latest = out / "loglinear-seed0" / "checkpoints" / "latest"
+    proc, output, launch = _run_and_kill(_command(config, out, 3), latest, rank=1)
+    assert proc.returncode != 0, "the killed run reported success"
+    assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
+    left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert len(launch) >= 2 and not left, (launch, left)  # rank 0 and the worker at least (rank 1 may be reaped already)
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < STEPS, f"the run finished (step {killed_at}) before rank 1 was killed"
+
+    resumed = _train(config, out, nproc=3)
+    assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
+    _assert_same_run(_zero_run(runs, 2), resumed)
+
+
 # --- fast -------------------------------------------------------------------------------------
 
 

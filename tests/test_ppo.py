@@ -112,6 +112,16 @@ def test_clipped_value_loss_by_hand():
     assert abs(unclipped.item() - 0.5 * (1.0 + 0.01) / 2) < 1e-6
 
 
+def test_value_clip_frac_counts_the_tokens_where_the_clip_binds_not_rounding():
+    # |V - V_old| = 0.1006 < eps_v = 0.2: V_clip = V_old + (V - V_old) is V exactly in real arithmetic, but in
+    # float32 it lands 2.8e-9 above V, so (V_clip - R)^2 > (V - R)^2 by rounding alone: the clip does not bind.
+    v, old, ret = torch.tensor([[0.005558443255722523]]), torch.tensor([[-0.09500084817409515]]), torch.tensor([[0.0030965805053710938]])
+    assert bool(((old + (v - old).clamp(-0.2, 0.2) - ret) ** 2 > (v - ret) ** 2).all())  # the rounding this guards against
+    loss, m = clipped_value_loss(v, old, ret, torch.ones(1, 1, dtype=torch.bool), clip=0.2)
+    assert m["ppo/value_clip_frac"] == 0.0
+    assert abs(loss.item() - 0.5 * (0.005558443255722523 - 0.0030965805053710938) ** 2) < 1e-10  # 3.03e-6
+
+
 def test_explained_variance():
     mask = torch.tensor([[True, True, True, False]])
     ret = torch.tensor([[1.0, 2.0, 3.0, 50.0]])

@@ -39,7 +39,8 @@ def clipped_value_loss(
         V_clip = V_old + clip(V - V_old, -eps_v, eps_v)
         l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
 
-    ``clip=None`` is the plain ``0.5 * (V - R)^2``. ``values`` carries the gradient; ``old_values``
+    ``clip=None`` is the plain ``0.5 * (V - R)^2``. ``ppo/value_clip_frac``: the share of tokens
+    where the clip binds (``|V - V_old| > eps_v`` and the clipped term is the larger). ``values`` carries the gradient; ``old_values``
     (the critic's values when the batch was scored) and ``returns`` are constants. ``n_tokens``
     replaces ``mask.sum()`` as the denominator (see :func:`a3po.algorithms.losses.decoupled_ppo_loss`).
     """
@@ -59,7 +60,10 @@ def clipped_value_loss(
         v_clip = old + (v - old).clamp(-clip, clip)
         clipped = (v_clip - ret) ** 2
         per_token = torch.maximum(unclipped, clipped)
-        clipped_frac = ((clipped > unclipped) & mask).float().sum() / mask.sum().clamp(min=1)
+        # The clip binds where it moved V (|V - V_old| > eps_v) and the clipped error is the larger: where V == V_old
+        # up to float noise (a minibatch's first update) the two squares tie and a bare ">" would count noise.
+        binds = ((v - old).abs() > clip) & (clipped > unclipped)
+        clipped_frac = (binds & mask).float().sum() / mask.sum().clamp(min=1)
     denom = mask.sum() if n_tokens is None else torch.as_tensor(n_tokens)
     loss = 0.5 * (per_token * mask).sum() / denom.clamp(min=1).to(values.dtype)
     return loss, {"ppo/value_loss": loss.item(), "ppo/value_clip_frac": clipped_frac.item()}

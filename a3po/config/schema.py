@@ -644,8 +644,6 @@ class TrainConfig:
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")
         if not needs_values and self.ppo.critic != "none":  # a critic nobody reads would only cost time
             raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
-        if self.ppo.critic != "none" and self.distributed.deepspeed_config is not None:
-            raise ValueError("ppo.critic is not supported with distributed.deepspeed_config yet (the critic trains in one process)")
         if self.model.lora is not None:
             self._check_lora()
         if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None:

@@ -205,3 +205,17 @@ def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, rank
     ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)
     rows = rl.batch_prompts * rl.group_size // rl.minibatches
     return DeepSpeedUpdater(policy, optimizer, ds, rows, rl.grad_clip, ranks)
+
+
+def make_critic_updater(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, rl, deepspeed_config: str | None,
+                        ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:
+    """The PPO critic's own updater beside the policy's: in one process its AdamW and clip; under
+    DeepSpeed a second ``deepspeed.initialize`` engine over the critic and its AdamW, with the
+    policy's JSON (ZeRO stage, precision) and batch sizes: each rank trains on its shard of every
+    minibatch, its optimizer state partitioned like the policy's. Build it after the critic's
+    checkpointed weights are loaded (ZeRO-3 partitions the module's current weights)."""
+    if deepspeed_config is None:
+        return LocalUpdater(critic, optimizer, rl.grad_clip)
+    ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)
+    rows = rl.batch_prompts * rl.group_size // rl.minibatches
+    return DeepSpeedUpdater(critic, optimizer, ds, rows, rl.grad_clip, ranks)

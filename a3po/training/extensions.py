@@ -8,6 +8,7 @@ policy's new version is published, and is closed when the run ends.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 from a3po.config import TrainConfig
@@ -44,8 +45,10 @@ class IntraCritic:
 
     def __init__(self, cfg: TrainConfig, ppo: PPOParts, pad_token_id: int, lag: int, retention: Retention) -> None:
         # The critic's versions are kept by the policy store's rule: while a batch not yet trained can read them.
-        self.scoring = IntraScoring(ppo, cfg.oppo, pad_token_id, retention)
-        self.critic, self.lag = ppo.critic, lag
+        # The scorers run their own forwards: under ZeRO-3 on a plain copy of the critic (a partitioned one's are collectives).
+        scoring_models = ppo if ppo.critic is None else replace(ppo, critic=ppo.plain_critic())
+        self.scoring = IntraScoring(scoring_models, cfg.oppo, pad_token_id, retention)
+        self.ppo, self.critic, self.lag = ppo, ppo.critic, lag
         self.version = 0  # the policy version of the last publication
         self.tuner_state: dict | None = None
 
@@ -54,7 +57,8 @@ class IntraCritic:
         (call after the critic's weights and this extension's state are restored)."""
         store = self.scoring.critic_store
         if store is not None and store.latest < version:
-            self.scoring.publish_critic(version, self.critic)
+            with self.ppo.critic_full_weights():  # gathered under ZeRO-3 (every rank calls this)
+                self.scoring.publish_critic(version, self.critic)
         self.version = version
 
     def state(self) -> dict[str, Any]:
@@ -68,7 +72,8 @@ class IntraCritic:
 
     def after_update(self, step: int, scored: ScoredBatch) -> None:
         # Before the policy's: a batch on version step + 1 finds its critic.
-        self.scoring.publish_critic(step + 1, self.critic)
+        with self.ppo.critic_full_weights():
+            self.scoring.publish_critic(step + 1, self.critic)
         self.version, self.tuner_state = step + 1, scored.stream_state
 
     def close(self) -> None:

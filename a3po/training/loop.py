@@ -213,7 +213,9 @@ def _restore(cfg: TrainConfig, policy: torch.nn.Module, ppo: PPOParts, resumed: 
     optimizer state, PPO parts and the versions the producer still needs when ``resumed``."""
     if resumed is not None:
         load_trained_state(policy, resumed.policy)  # before DeepSpeed copies the weights into its partitions
+        ppo.load_weights(resumed.extensions)  # the critic's likewise, before its own engine
     updater = make_updater(policy, cfg.rl, cfg.distributed.deepspeed_config, ranks)
+    ppo.make_updater(cfg.rl, cfg.distributed.deepspeed_config, ranks)
     store = WeightStore(weight_retention(cfg))  # a version while a batch not yet trained can read it
     if resumed is not None:
         updater.load_optimizer_state(resumed.optimizer)
