@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
-from a3po.config.preflight import read_deepspeed_json, zero_stage
+from a3po.config import ConfigError
+from a3po.config.preflight import LORA_ZERO3, read_deepspeed_json, zero_stage
+from a3po.models.lora import is_lora
 from a3po.parallel.ranks import Ranks
 from a3po.storage.checkpoint import CheckpointError
 
@@ -79,7 +81,12 @@ class DeepSpeedUpdater:
     Under ZeRO-3 the policy's parameters are partitioned over the ranks (``deepspeed.initialize``
     partitions the module's current weights, so a checkpoint's weights load before it): whatever
     reads the full weights does so inside :meth:`full_weights`, and the ZeRO-3 optimizer keeps its
-    fp32 partitions outside the client AdamW's param groups (they are put there only during its step)."""
+    fp32 partitions outside the client AdamW's param groups (they are put there only during its step).
+
+    With ``model.lora`` (ZeRO-1/2) the AdamW holds the adapters alone (:func:`make_updater`), so
+    DeepSpeed flattens, partitions, reduces and steps only them: the frozen base has no gradient,
+    no master copy and no optimizer state on any rank, and :meth:`optimizer_state` holds the
+    adapters' partitions."""
 
     def __init__(
         self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int, grad_clip: float, ranks: Ranks
@@ -100,6 +107,8 @@ class DeepSpeedUpdater:
             "gradient_clipping": grad_clip,
         }
         self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
+        if self.stage == 3 and is_lora(policy):  # preflight refuses it first; a direct caller gets the same reason
+            raise ConfigError(LORA_ZERO3)
         # The world is the trainer ranks' alone, rollout workers or not (a3po.parallel.ranks.init_ranks).
         self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
         self.model = self.engine
