@@ -18,6 +18,12 @@ What the rest of the library reads through this module:
   multiply-adds per layer (a fraction of one decode step), and the merged weights equal peft's
   forward up to float rounding (in bf16 the merge rounds the update into the base weight's
   precision; ``rollout/behav_logp_abs_err`` under ``rl.proximal: metrics`` shows it).
+
+Across processes the same two reads serve: DeepSpeed ZeRO-1/2 ranks step the adapters alone (the
+AdamW is built on the trainable parameters, :func:`a3po.parallel.updaters.make_updater`), and a
+rollout worker builds this module's model on the same warm start (:func:`with_lora`: the seeded
+``A`` and ``B = 0`` make it the trainer's) and merges the adapter versions it is pushed
+(:mod:`a3po.placement.rollout_workers`). ZeRO-3 is refused (:data:`a3po.config.preflight.LORA_ZERO3`).
 """
 
 from __future__ import annotations
