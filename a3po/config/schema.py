@@ -653,8 +653,7 @@ class TrainConfig:
                              "rank would start its own engine; data-parallel ranks use the torch engine")
 
     def _check_lora(self) -> None:
-        """The combinations LoRA does not run with (yet), each with its reason. DeepSpeed ranks (ZeRO-1/2; ZeRO-3 is
-        refused where the DeepSpeed JSON is read, a3po.config.preflight) and rollout workers run with it."""
+        """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and rollout workers run with it)."""
         if self.ppo.critic != "none":
             raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the critic copies the policy's "
                              "backbone (whose layers peft has wrapped) and trains all of it, the full-size update LoRA avoids")
