@@ -50,13 +50,16 @@ test-gpu: setup
 
 # The slow tests that start several processes, one of each kind, for CI (.ci/run): 2 DeepSpeed
 # ranks vs 1 process (ZeRO-2), a rank killed after a checkpoint and its resume, a trainer with a
-# rollout worker process, two loopback nodes training alike, then the comparison fanned out over
-# two Prefect workers. The whole slow tier (make test-slow) holds the rest.
+# rollout worker process, the same two with LoRA (one module's shared runs, ~2 min), two loopback
+# nodes training alike, then the comparison fanned out over two Prefect workers. The whole slow
+# tier (make test-slow) holds the rest.
 MULTIPROCESS_TESTS := \
 	tests/test_distributed.py::test_two_rank_zero2_matches_single_process \
 	'tests/test_distributed.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
 	tests/test_disaggregated.py::test_trainer_plus_rollout_worker_equals_the_single_process_run \
-	'tests/test_disaggregated.py::test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run[2]'
+	'tests/test_disaggregated.py::test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run[2]' \
+	tests/test_lora_distributed.py::test_two_zero2_ranks_with_lora_match_one_lora_process \
+	tests/test_lora_distributed.py::test_trainer_plus_a_rollout_worker_with_lora_equals_the_single_lora_process
 # Two loopback "nodes" run in the fast tier (tests/test_launch.py: real torchrun nodes forming one
 # gloo world). Their DeepSpeed training test (tests/test_launch_training.py, make test-slow) is left
 # out here: one rank of it once aborted in DeepSpeed's CPU shm op ("terminate called without an

@@ -68,8 +68,6 @@ def test_lora_ranges_are_checked_when_the_config_is_built(lora, field):
 
 
 @pytest.mark.parametrize("sections, reason", [
-    ({"distributed": {"deepspeed_config": "infra/deepspeed_zero2.json"}}, "distributed.deepspeed_config"),
-    ({"distributed": {"rollout_workers": 1}}, "distributed.rollout_workers"),
     ({"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy"}}, "ppo.critic 'policy_copy'"),
     ({"rollout": {"engine": "vllm", "weight_updates": "batch"}}, "rollout.engine 'vllm'"),
 ])

@@ -651,13 +651,7 @@ class TrainConfig:
                              "rank would start its own engine; data-parallel ranks use the torch engine")
 
     def _check_lora(self) -> None:
-        """The combinations LoRA does not run with (yet), each with its reason."""
-        if self.distributed.deepspeed_config is not None:
-            raise ValueError("model.lora with distributed.deepspeed_config is not supported yet: the ZeRO updater, its "
-                             "checkpoints and its gathered weights hold the full model, not adapters; train LoRA in one process")
-        if self.distributed.rollout_workers:
-            raise ValueError("model.lora with distributed.rollout_workers is not supported yet: the workers receive the "
-                             "full state's layout and have no adapters to merge; use rollout_workers: 0")
+        """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and rollout workers run with it)."""
         if self.ppo.critic != "none":
             raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the critic copies the policy's "
                              "backbone (whose layers peft has wrapped) and trains all of it, the full-size update LoRA avoids")

@@ -18,6 +18,13 @@ What the rest of the library reads through this module:
   multiply-adds per layer (a fraction of one decode step), and the merged weights equal peft's
   forward up to float rounding (in bf16 the merge rounds the update into the base weight's
   precision; ``rollout/behav_logp_abs_err`` under ``rl.proximal: metrics`` shows it).
+
+Across processes the same two reads serve: DeepSpeed ranks step the adapters alone (the AdamW is
+built on the trainable parameters, :func:`a3po.parallel.updaters.make_updater`; under ZeRO-3,
+:func:`keep_base_whole` keeps the base to merge into before the module is partitioned), and a
+rollout worker builds this module's model on the same warm start (:func:`with_lora`: the seeded
+``A`` and ``B = 0`` make it the trainer's) and merges the adapter versions it is pushed
+(:mod:`a3po.placement.rollout_workers`).
 """
 
 from __future__ import annotations
@@ -108,28 +115,15 @@ def load_trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 class MergedWeights:
     """A LoRA policy's adapter versions -> the state dict of the plain model (the policy's class
     without peft's layers): ``W = W0 + s B A`` for each adapted linear layer, the other weights
-    the policy's own frozen tensors (shared, not copied). Safe to call from another thread
-    while the policy trains: it reads only the frozen weights and the version it is given."""
+    the policy's own frozen tensors (shared, not copied), or the whole copy :func:`keep_base_whole`
+    took before DeepSpeed ZeRO-3 partitioned them. Safe to call from another thread while the
+    policy trains: it reads only the frozen weights and the version it is given."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
         if not is_lora(policy):
             raise ValueError("MergedWeights needs a policy with LoRA adapters (a3po.models.lora.apply_lora)")
-        lora = dict(_lora_layers(policy))
-        self.adapted: dict[str, tuple[torch.Tensor, float]] = {}  # layer name -> (W0, s)
-        for name, layer in lora.items():
-            if ADAPTER not in layer.lora_A or getattr(layer, "merged", False):
-                raise ValueError(f"{name}: expected one unmerged adapter named {ADAPTER!r}")
-            if layer.fan_in_fan_out or getattr(layer, "use_dora", {}).get(ADAPTER, False):
-                raise ValueError(f"{name}: fan_in_fan_out and DoRA adapters are not merged here")
-            self.adapted[name] = (layer.get_base_layer().weight.detach(), float(layer.scaling[ADAPTER]))
-        self.rest: dict[str, torch.Tensor] = {}  # plain key -> the policy's frozen tensor
-        for key, value in policy.state_dict().items():
-            if ".lora_" in key:
-                continue
-            plain = key.replace(".base_layer.", ".")
-            if plain.endswith(".weight") and plain[: -len(".weight")] in self.adapted:
-                continue
-            self.rest[plain] = value
+        whole = policy.__dict__.get(_WHOLE_BASE)
+        self.adapted, self.rest = whole if whole is not None else _frozen_base(policy)
 
     def __call__(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The full weights of the version whose adapter tensors are ``adapters`` (a
@@ -140,6 +134,37 @@ class MergedWeights:
                 a, b = adapters[f"{name}.lora_A.{ADAPTER}.weight"], adapters[f"{name}.lora_B.{ADAPTER}.weight"]
                 out[f"{name}.weight"] = w0.float().addmm(b.float(), a.float(), alpha=s).to(w0.dtype)  # W0 + s B A
         return out
+
+
+_WHOLE_BASE = "_a3po_whole_base"  # the policy attribute keep_base_whole sets
+
+
+def _frozen_base(policy: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, float]], dict[str, torch.Tensor]]:
+    """(adapted layer name -> (W0, s), plain key -> frozen tensor) of ``policy`` as its parameters hold them now."""
+    adapted: dict[str, tuple[torch.Tensor, float]] = {}
+    for name, layer in _lora_layers(policy):
+        if ADAPTER not in layer.lora_A or getattr(layer, "merged", False):
+            raise ValueError(f"{name}: expected one unmerged adapter named {ADAPTER!r}")
+        if layer.fan_in_fan_out or getattr(layer, "use_dora", {}).get(ADAPTER, False):
+            raise ValueError(f"{name}: fan_in_fan_out and DoRA adapters are not merged here")
+        adapted[name] = (layer.get_base_layer().weight.detach(), float(layer.scaling[ADAPTER]))
+    rest: dict[str, torch.Tensor] = {}
+    for key, value in policy.state_dict().items():
+        if ".lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        if plain.endswith(".weight") and plain[: -len(".weight")] in adapted:
+            continue
+        rest[plain] = value
+    return adapted, rest
+
+
+def keep_base_whole(policy: torch.nn.Module) -> None:
+    """Keep a whole copy of ``policy``'s frozen base for :class:`MergedWeights` to merge into: called
+    before DeepSpeed ZeRO-3 partitions the module (after that its parameters read empty outside a
+    gather, a collective every rank would have to enter at each merge)."""
+    adapted, rest = _frozen_base(policy)
+    policy.__dict__[_WHOLE_BASE] = ({n: (w.clone(), s) for n, (w, s) in adapted.items()}, {k: v.detach().clone() for k, v in rest.items()})
 
 
 def merged_model(policy: torch.nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from a3po.config.preflight import read_deepspeed_json, zero_stage
+from a3po.models.lora import MergedWeights, is_lora, keep_base_whole
 from a3po.parallel.ranks import Ranks
 from a3po.storage.checkpoint import CheckpointError
 
@@ -79,7 +80,15 @@ class DeepSpeedUpdater:
     Under ZeRO-3 the policy's parameters are partitioned over the ranks (``deepspeed.initialize``
     partitions the module's current weights, so a checkpoint's weights load before it): whatever
     reads the full weights does so inside :meth:`full_weights`, and the ZeRO-3 optimizer keeps its
-    fp32 partitions outside the client AdamW's param groups (they are put there only during its step)."""
+    fp32 partitions outside the client AdamW's param groups (they are put there only during its step).
+
+    With ``model.lora`` the AdamW holds the adapters alone (:func:`make_updater`), so DeepSpeed
+    flattens, partitions, reduces and steps only them: the frozen base has no gradient, no master
+    copy and no optimizer state on any rank, and :meth:`optimizer_state` holds the adapters'
+    partitions. Under ZeRO-3 the base is partitioned too; each rank keeps a whole copy of it to
+    merge adapter versions into (:func:`a3po.models.lora.keep_base_whole`: the rollout copy, the
+    held-out copy, the export), and :meth:`full_weights` gathers the adapters alone (all that
+    the weight store and checkpoints read of a LoRA policy)."""
 
     def __init__(
         self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int, grad_clip: float, ranks: Ranks
@@ -100,6 +109,9 @@ class DeepSpeedUpdater:
             "gradient_clipping": grad_clip,
         }
         self.ranks, self.stage, self._optimizer = ranks, zero_stage(ds), optimizer
+        self.lora = is_lora(policy)
+        if self.stage == 3 and self.lora:  # the merges into the base read it whole: copy it before ZeRO-3 partitions it
+            keep_base_whole(policy)
         # The world is the trainer ranks' alone, rollout workers or not (a3po.parallel.ranks.init_ranks).
         self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
         self.model = self.engine
@@ -111,7 +123,10 @@ class DeepSpeedUpdater:
         import deepspeed
 
         # modifier_rank=None: read-only, every rank gathers; on exit the parameters are partitioned again.
-        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+        params = self.engine.module.parameters()
+        if self.lora:  # trained_state reads the adapters alone
+            params = (p for p in params if p.requires_grad)
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
     def set_lr(self, lr: float) -> None:
         # Under ZeRO the client AdamW steps this rank's flat fp32 partition; its groups carry the rate.
@@ -184,9 +199,12 @@ class DeepSpeedUpdater:
 
 def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor], into: torch.nn.Module | None = None) -> torch.nn.Module:
     """A module of the policy's class holding ``state``, outside DeepSpeed (reused when ``into``
-    is given): what rank 0 evaluates and exports while the policy itself is partitioned."""
+    is given): what rank 0 evaluates and exports while the policy itself is partitioned. With
+    LoRA ``state`` is a version's adapters (:func:`a3po.models.lora.trained_state`), merged into the base."""
     from a3po.devices import model_device, model_dtype
 
+    if is_lora(policy):
+        state = MergedWeights(policy)(state)
     if into is None:
         with torch.device(model_device(policy)):
             into = type(policy)(policy.config)

@@ -17,7 +17,14 @@ trainer ranks' world) over {trainer rank 0, workers}, each used by one thread pe
   layout, the versions that follow at once: the checkpoint's history on resume), then every
   version the trainer publishes, in order: an int64 header ``[version]`` and the state dict as one
   byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. The versions are the
-  trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3.
+  trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3. With
+  ``model.lora`` a version is the adapters alone (what the store holds): the worker builds the
+  trainer's peft model on the same warm start (:func:`worker_inputs`; the adapters' ``A`` is drawn
+  from a fixed seed and ``B`` is 0, so the two start equal) and merges each version into its own
+  frozen base (``W0 + s B A``, as the trainer process's engine does). Adapters rather than merged
+  weights: a push is the adapters' size, ~r (in + out) / (in out) of the model's (~1/190 at r 16
+  on a 7B model), the merge costs a fraction of one decode step per version, and the worker's
+  engine then loads exactly what a single-process run's engine loads.
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
   log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,
@@ -43,12 +50,14 @@ import json
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from a3po.devices import model_device
+from a3po.models.lora import trained_state, with_lora
 from a3po.parallel.ranks import Link, Ranks, launch_links
 from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
@@ -319,12 +328,19 @@ class SharedRollouts:
 # --- a worker's side -----------------------------------------------------------------------------
 
 
+def worker_inputs(inp: RolloutInputs) -> RolloutInputs:
+    """``inp`` with the policy the trainer's versions fit: the warm start itself, or with
+    ``model.lora`` the warm start with the trainer's adapters injected (:func:`a3po.models.lora.with_lora`)."""
+    return replace(inp, policy=with_lora(inp.policy, inp.cfg.model.lora))
+
+
 def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
     sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
+    inp = worker_inputs(inp)
     weights_link, samples_link = rollout_links()
     hello = weights_link.share(None)
-    layout = state_layout(inp.policy.state_dict())
+    layout = state_layout(trained_state(inp.policy))  # the versions' layout: the whole state, or the adapters
     if hello["layout"] != layout:
         diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
         raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer's weights do not fit this worker's model "
