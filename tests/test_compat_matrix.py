@@ -74,9 +74,13 @@ def test_cells_read_off_the_checks_by_hand():
     # The critic trains in one process: refused beside DeepSpeed ranks, with or without workers.
     for placement in ("in_process", "workers"):
         assert results[Cell("torch", placement, "ZeRO-2", "off", "gae")].startswith("ppo.critic is not supported with distributed.deepspeed_config")
-    # The production topology runs at every ZeRO stage; intra there is refused, naming the fields.
-    assert all(results[Cell("torch", "workers", t, "off", "none")] is None for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3"))
-    assert "oppo.intra" in results[Cell("torch", "workers", "ZeRO-2", "intra", "none")]
+    # The production topology runs at every ZeRO stage, OPPO's overlaps included (they run in the worker).
+    assert all(results[Cell("torch", "workers", t, o, "none")] is None for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3")
+               for o in ("off", "intra", "inter", "both"))
+    # One trainer process and a worker: every OPPO x critic cell runs.
+    assert all(results[Cell("torch", "workers", "one process", o, c)] is None for o in ("off", "intra", "inter", "both") for c in ("none", "gae"))
+    # Intra streams through the torch engine's per-token hook: vLLM is refused naming the fields.
+    assert results[Cell("vllm", "in_process", "one process", "intra", "none")] == "oppo.intra is supported with rollout.engine torch only"
     # Intra without a critic or a KL reference has nothing to score with: the cells' kl_coef is what makes them run.
     with pytest.raises(ValueError, match="oppo.intra needs scoring models"):
         with_overrides(preset("micro"), oppo={"intra": True})
