@@ -190,13 +190,16 @@ INTER = "oppo: {inter: true, delta_init: 2, delta_min: 1, delta_max: 3}\n"
 PPO = ("ppo: {critic: policy_copy, critic_lr: 1.0e-3, gamma: 1.0, lam: 0.95, kl_coef: 0.05, kl_estimator: k3}\n")
 
 
-def _intra_config(tmp: Path, workers: int, intra: bool) -> Path:
+def _ppo_config(tmp: Path, name: str, workers: int, oppo: str, max_staleness: int) -> Path:
     # update_threads 1: in one process a synchronous update otherwise takes every core (beside
     # workers it keeps torch_threads), which rounds the update differently (~1e-7).
-    path = _config(tmp, f"intra{int(intra)}", workers, PPO + f"oppo: {{intra: {str(intra).lower()}, chunk_min: 4, chunk_max: 4}}\n"
-                   "update_threads: 1\n")
-    path.write_text(path.read_text().replace("max_staleness: 1}", "max_staleness: 0, advantage: gae}"))
+    path = _config(tmp, name, workers, PPO + f"oppo: {{{oppo}, chunk_min: 4, chunk_max: 4}}\nupdate_threads: 1\n")
+    path.write_text(path.read_text().replace("max_staleness: 1}", f"max_staleness: {max_staleness}, advantage: gae}}"))
     return path
+
+
+def _intra_config(tmp: Path, workers: int, intra: bool) -> Path:
+    return _ppo_config(tmp, f"intra{int(intra)}", workers, f"intra: {str(intra).lower()}", max_staleness=0)
 
 
 def _command(config: Path, out: Path, nproc: int | None, variant: str = "loglinear") -> list[str]:
@@ -323,3 +326,35 @@ def test_oppo_intra_in_a_worker_streams_what_one_shot_scoring_gives(inter_runs):
     assert not bad, bad
     assert all(mon[s]["oppo/chunk_size"] == 4 and mon[s][busy + "ref_logp"] > 0 and mon[s][busy + "values"] > 0 for s in mon)
     assert moff[STEPS_RUN]["ppo/kl"] > 0 and len({round(m["ppo/value_mean"], 6) for m in moff.values()}) > 1  # the critic moved
+
+
+@pytest.mark.slow
+def test_oppo_intra_and_inter_in_a_worker_equal_one_process_and_resume_after_a_kill(inter_runs):
+    """Both overlaps in the worker (PPO, loglinear, s = 1): the run equals the one-process run with
+    both exactly; a worker killed once a checkpoint exists (carried answers with their streamed
+    figures in its buffer, critic versions the resumed batches start on in the checkpoint's
+    history, pushed again in the hello) reruns to the uninterrupted end exactly."""
+    tmp = inter_runs["tmp"]
+    both = "intra: true, inter: true, delta_init: 2, delta_min: 1, delta_max: 3"
+    _share_warmstart(tmp / "single", tmp / "both-in-process")
+    one = _train(_ppo_config(tmp, "both", 0, both, max_staleness=1), tmp / "both-in-process")
+    _share_warmstart(tmp / "single", tmp / "both")
+    config = _ppo_config(tmp, "both", 1, both, max_staleness=1)
+    two = _train(config, tmp / "both", nproc=2)
+    busy = "oppo/scorer_busy_s/"
+    m1, m2 = step_metrics(one), step_metrics(two)
+    assert {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m2.items()} == \
+           {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m1.items()}
+    assert max(m["oppo/carried"] for m in m2.values()) > 0 and m2[STEPS_RUN]["ppo/kl"] > 0
+    out = tmp / "both-killed"
+    _share_warmstart(tmp / "single", out)
+    latest = out / "loglinear-seed0" / "checkpoints" / "latest"
+    killed_at = _kill_after_first_checkpoint(_command(config, out, 2), latest, rank=1)
+    assert _carried(latest, 1) > 0, "precondition: the checkpoint holds no carried answer"
+    resumed = _train(config, out, nproc=2)
+    assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at
+    m3 = step_metrics(resumed)
+    assert {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m3.items()} == \
+           {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m2.items()}
+    wa, wb = final_weights(two), final_weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
