@@ -295,6 +295,13 @@ def test_killed_oppo_inter_worker_reruns_to_the_uninterrupted_end(inter_runs, wo
     _assert_same_run(uninterrupted, resumed)
 
 
+BUSY = "oppo/scorer_busy_s/"  # scorer wall time: the one figure two equal runs may disagree on
+
+
+def _without_busy(run: dict) -> dict[int, dict[str, float]]:
+    return {s: {k: v for k, v in m.items() if not k.startswith(BUSY)} for s, m in step_metrics(run).items()}
+
+
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 + 1e-4 * abs(b)
 
@@ -314,47 +321,56 @@ def test_oppo_intra_in_a_worker_streams_what_one_shot_scoring_gives(inter_runs):
     _share_warmstart(tmp / "single", tmp / "intra")
     on = _train(_intra_config(tmp, 1, intra=True), tmp / "intra", nproc=2, variant="sync")
     assert (on["world_size"], on["rollout_workers"]) == (1, 1)
-    mon, mone, moff = step_metrics(on), step_metrics(one), step_metrics(off)
+    mon, moff = step_metrics(on), step_metrics(off)
     assert sorted(mon) == sorted(moff) == list(range(1, STEPS_RUN + 1))
-    busy = "oppo/scorer_busy_s/"  # scorer wall time
-    assert {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in mon.items()} == \
-           {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in mone.items()}
+    assert _without_busy(on) == _without_busy(one)
     # The clip fraction counts ties (V == V_old bit for bit with intra off in a minibatch's first
     # pass) that the streamed ~1e-7 flips (tests/test_intra.py): compared through the value loss.
     skip = ("oppo/", "ppo/value_clip_frac")
     bad = {(s, k): (mon[s][k], moff[s][k]) for s in moff for k in moff[s] if not k.startswith(skip) and not _close(mon[s][k], moff[s][k])}
     assert not bad, bad
-    assert all(mon[s]["oppo/chunk_size"] == 4 and mon[s][busy + "ref_logp"] > 0 and mon[s][busy + "values"] > 0 for s in mon)
+    assert all(mon[s]["oppo/chunk_size"] == 4 and mon[s][BUSY + "ref_logp"] > 0 and mon[s][BUSY + "values"] > 0 for s in mon)
     assert moff[STEPS_RUN]["ppo/kl"] > 0 and len({round(m["ppo/value_mean"], 6) for m in moff.values()}) > 1  # the critic moved
 
 
-@pytest.mark.slow
-def test_oppo_intra_and_inter_in_a_worker_equal_one_process_and_resume_after_a_kill(inter_runs):
-    """Both overlaps in the worker (PPO, loglinear, s = 1): the run equals the one-process run with
-    both exactly; a worker killed once a checkpoint exists (carried answers with their streamed
-    figures in its buffer, critic versions the resumed batches start on in the checkpoint's
-    history, pushed again in the hello) reruns to the uninterrupted end exactly."""
+BOTH = "intra: true, inter: true, delta_init: 2, delta_min: 1, delta_max: 3"
+
+
+@pytest.fixture(scope="module")
+def both_runs(inter_runs):
+    """Both overlaps (PPO, loglinear, s = 1): one process, and 1 trainer + 1 worker."""
     tmp = inter_runs["tmp"]
-    both = "intra: true, inter: true, delta_init: 2, delta_min: 1, delta_max: 3"
     _share_warmstart(tmp / "single", tmp / "both-in-process")
-    one = _train(_ppo_config(tmp, "both", 0, both, max_staleness=1), tmp / "both-in-process")
+    one = _train(_ppo_config(tmp, "both", 0, BOTH, max_staleness=1), tmp / "both-in-process")
     _share_warmstart(tmp / "single", tmp / "both")
-    config = _ppo_config(tmp, "both", 1, both, max_staleness=1)
-    two = _train(config, tmp / "both", nproc=2)
-    busy = "oppo/scorer_busy_s/"
-    m1, m2 = step_metrics(one), step_metrics(two)
-    assert {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m2.items()} == \
-           {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m1.items()}
+    two = _train(_ppo_config(tmp, "both", 1, BOTH, max_staleness=1), tmp / "both", nproc=2)
+    return {"one": one, "two": two, "tmp": tmp}
+
+
+@pytest.mark.slow
+def test_oppo_intra_and_inter_in_a_worker_equal_both_in_one_process(both_runs):
+    """The worker's carry-over keeps each done answer's streamed figures and its streaming scorers
+    read the pushed critic versions: every figure equals the one-process run's, exactly."""
+    one, two = both_runs["one"], both_runs["two"]
+    assert _without_busy(two) == _without_busy(one)
+    m2 = step_metrics(two)
     assert max(m["oppo/carried"] for m in m2.values()) > 0 and m2[STEPS_RUN]["ppo/kl"] > 0
+
+
+@pytest.mark.slow
+def test_oppo_intra_and_inter_in_a_worker_resume_after_a_kill(both_runs):
+    """A worker killed once a checkpoint exists (carried answers with their streamed figures in its
+    buffer, the critic versions the resumed batches start on in the checkpoint's history, pushed
+    again in the hello) reruns to the uninterrupted end exactly."""
+    tmp = both_runs["tmp"]
     out = tmp / "both-killed"
     _share_warmstart(tmp / "single", out)
+    config = _ppo_config(tmp, "both", 1, BOTH, max_staleness=1)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
     killed_at = _kill_after_first_checkpoint(_command(config, out, 2), latest, rank=1)
     assert _carried(latest, 1) > 0, "precondition: the checkpoint holds no carried answer"
     resumed = _train(config, out, nproc=2)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at
-    m3 = step_metrics(resumed)
-    assert {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m3.items()} == \
-           {s: {k: v for k, v in m.items() if not k.startswith(busy)} for s, m in m2.items()}
-    wa, wb = final_weights(two), final_weights(resumed)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _without_busy(resumed) == _without_busy(both_runs["two"])
+    wa, wb = final_weights(both_runs["two"]), final_weights(resumed)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
