@@ -46,13 +46,10 @@ INTRA_KL_COEF = 0.01
 # current limit of this code, said so) and what the user does instead. A check whose message
 # changes fails tests/test_compat_matrix.py until its review here follows.
 REVIEWS = {
-    "oppo.intra is supported with rollout.engine torch and distributed.rollout_workers 0 only":
-        "a library limit for vLLM, a current limit for workers. Streaming needs a hook called after each decode step; "
-        "vLLM's offline `LLM.generate` returns finished sequences only. With rollout workers the scorers (reference, "
-        "critic) stay in the trainer's process and the chunks are not sent across processes.",
-    "oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0":
-        "current limit. The carry-over buffer lives in the in-process producer (`a3po.oppo.overcommit`); the workers' "
-        "producer keeps none.",
+    "oppo.intra is supported with rollout.engine torch only":
+        "a library limit. Streaming needs a hook called after each decode step; vLLM's offline `LLM.generate` returns "
+        "finished sequences only. (With rollout workers and the torch engine the scorers run in each worker, "
+        "`a3po.oppo.intra`.)",
     "rollout.engine 'vllm' with oppo.inter or distributed.rollout_workers is not supported yet: use rollout.engine torch there":
         "current limit. Rollout workers build the torch engine's producer, and the carry-over resumes partial sequences "
         "token by token, which the vLLM engine does not do.",

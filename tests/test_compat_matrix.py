@@ -73,9 +73,13 @@ def test_cells_read_off_the_checks_by_hand():
                for o in ("off", "intra", "inter", "both") for c in ("none", "gae"))
     # The critic trains beside the policy under DeepSpeed ranks (its own engine), with or without workers, at every stage.
     assert all(results[Cell("torch", p, t, "off", "gae")] is None for p in ("in_process", "workers") for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3"))
-    # The production topology runs at every ZeRO stage; intra there is refused, naming the fields.
-    assert all(results[Cell("torch", "workers", t, "off", "none")] is None for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3"))
-    assert "oppo.intra" in results[Cell("torch", "workers", "ZeRO-2", "intra", "none")]
+    # The production topology runs at every ZeRO stage, OPPO's overlaps included (they run in the worker).
+    assert all(results[Cell("torch", "workers", t, o, "none")] is None for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3")
+               for o in ("off", "intra", "inter", "both"))
+    # One trainer process and a worker: every OPPO x critic cell runs.
+    assert all(results[Cell("torch", "workers", "one process", o, c)] is None for o in ("off", "intra", "inter", "both") for c in ("none", "gae"))
+    # Intra streams through the torch engine's per-token hook: vLLM is refused naming the fields.
+    assert results[Cell("vllm", "in_process", "one process", "intra", "none")] == "oppo.intra is supported with rollout.engine torch only"
     # Intra without a critic or a KL reference has nothing to score with: the cells' kl_coef is what makes them run.
     with pytest.raises(ValueError, match="oppo.intra needs scoring models"):
         with_overrides(preset("micro"), oppo={"intra": True})

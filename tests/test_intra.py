@@ -155,7 +155,7 @@ def test_intra_ppo_run_equals_intra_off_and_uses_the_streamed_tensors(core_stub_
 
 @pytest.mark.parametrize("overrides, match", [
     ({}, "PPO path"),  # GRPO: nothing to overlap
-    ({**PPO_MICRO, "distributed": {"rollout_workers": 1}}, "rollout_workers 0"),
+    ({**PPO_MICRO, "rollout": {"engine": "vllm"}}, "rollout.engine torch only"),  # no per-token hook; workers are fine
 ])
 def test_intra_config_refusals(overrides, match):
     with pytest.raises(ConfigError, match=match):

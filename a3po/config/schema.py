@@ -624,12 +624,9 @@ class TrainConfig:
             if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
                 raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
                                  "or ppo.reward: model): the PPO path; the GRPO path has none")
-            if self.rollout.engine != "torch" or self.distributed.rollout_workers:
-                # Streaming needs the torch engine's per-token hook in this process.
-                raise ValueError("oppo.intra is supported with rollout.engine torch and distributed.rollout_workers 0 only")
-        if self.oppo.inter and self.distributed.rollout_workers:
-            # The carry-over buffer lives in the producer thread; rollout workers do not keep one yet.
-            raise ValueError("oppo.inter with distributed.rollout_workers is not supported yet: use rollout_workers: 0")
+            if self.rollout.engine != "torch":
+                # Streaming needs the torch engine's per-token hook (in the trainer or a rollout worker, a3po.oppo.intra).
+                raise ValueError("oppo.intra is supported with rollout.engine torch only")
         if self.rl.rollout_correction != "none" and self.oppo.inter:
             # Carried tokens keep only their version numbers, and the overlap producer re-scores nothing.
             raise ValueError("rl.rollout_correction with oppo.inter is not supported yet: the trainer's log-probs of a carried "

@@ -21,6 +21,17 @@ block is prompt + partial answer of every unfinished sample (a carried answer is
 start with the critic of that step's version), and done samples keep their figures in the
 carry-over buffer until their group trains.
 
+With rollout workers (``distributed.rollout_workers``) the scorers run in each worker, beside its
+engine, on the worker's own models: the reference is a frozen copy of the warm start (which the
+worker loads, as the trainer builds its reference from it before a checkpoint loads), the reward
+model is read from ``ppo.reward_model_path`` as in the trainer, and the critic's version ``v``
+travels with policy version ``v`` over the weights link as raw bytes (the trainer's critic store is
+the source). So a worker scores with the very weights the in-process scorers would read, and the
+streamed tensors travel back to the trainer exactly (raw tensors beside the batch); the trainer's
+own scorer threads idle. Scoring in the trainer on receipt would be exact too, but would not overlap
+anything with decoding: the overlap is the point. Each worker keeps its own chunk tuner; the
+trainer checkpoints them per worker (``{"workers": [...]}``, :meth:`IntraScoring.load_state_dict`).
+
 The chunk size comes from a :class:`~a3po.oppo.chunk_tuner.ChunkTuner` fed with each batch's
 production time per generated token. Its pick depends on timing and chunks of another size round
 differently (~1e-7), so with ``chunk_min < chunk_max`` runs are reproducible to float rounding,
@@ -83,6 +94,7 @@ class IntraScoring:
         self.threads = start_scorers(models)
         self._feeder: ChunkFeeder | None = None
         self._critic_version: int | None = None
+        self.worker_states: list[dict | None] | None = None  # a rollout-worker checkpoint's tuner states, one per worker
 
     # --- trainer side ---------------------------------------------------------------------
 
@@ -139,6 +151,14 @@ class IntraScoring:
         return {"chunk_tuner": self.tuner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The chunk tuner's state; with rollout workers ``{"workers": [state_0, ...]}``, kept in
+        :attr:`worker_states` for the workers (their hello), whose scorers run the tuners."""
+        if "workers" in state:
+            self.worker_states = state["workers"]
+            if len(self.worker_states) == 1 and self.worker_states[0] is not None:  # one worker: resumable in one process too
+                self.tuner.load_state_dict(self.worker_states[0]["chunk_tuner"])
+            return
+        self.worker_states = [state]
         self.tuner.load_state_dict(state["chunk_tuner"])
 
     def close(self) -> None:

@@ -25,6 +25,14 @@ each step it resumes, so all its values come from one critic version) and take t
 by chunk; a sample that is done keeps the figures of its whole answer (:attr:`Sample.scored`) until
 its group is trained (:func:`pack_streamed`).
 
+With rollout workers (``distributed.rollout_workers: N``, :mod:`a3po.placement.rollout_workers`)
+each worker ``k`` runs its own :class:`OverlapProducer` over its batches ``k, k + N, ...`` and owns
+its carry-over: it admits the groups ``k, k + N, k + 2N, ...`` (disjoint between workers, a
+function of (seed, g) as in one process) and carried groups stay with the worker that admitted
+them, so no group changes hands between processes. With ``N = 1`` the numbering is one process's.
+The trainer checkpoints every worker's state (:func:`per_worker_states`); each worker's ``Delta``
+follows the rewards of its own batches.
+
 Everything here is plain Python state (lists, ints, floats) so the buffer checkpoints as JSON.
 """
 
@@ -207,19 +215,38 @@ def pack_rollout(groups: list[list[Sample]], pad_id: int, device: torch.device |
                         torch.tensor([s.finished for s in samples], device=device), p_w, meta)
 
 
+def per_worker_states(state: dict | None, workers: int) -> list[dict | None]:
+    """A checkpoint's carry-over state (``oppo_state``) as one entry per rollout worker. One
+    process writes its producer's state, ``N`` workers ``{"workers": [state_0, ..., state_{N-1}]}``
+    (None: the worker had no batch trained yet, it starts afresh). The two forms are the same
+    ledger when ``N = 1`` (same group numbering); another number of workers would renumber the
+    groups in flight, so it is refused rather than losing or repeating one."""
+    if state is None:
+        return [None] * workers
+    states = state["workers"] if "workers" in state else [state]
+    if len(states) != workers:
+        raise ValueError(f"the checkpoint's OPPO carry-over belongs to {len(states)} rollout producer(s) (distributed.rollout_workers "
+                         f"{len(states) if 'workers' in state else 0}), this launch has {workers}: each owns the groups it admitted; "
+                         "resume with the same number of rollout workers")
+    return states
+
+
 class OverlapProducer(RolloutProducer):
     """:class:`~a3po.producer.producer.RolloutProducer` with over-commitment and carry-over (OPPO
     inter-step overlap) for GRPO groups. Group ``g`` is the first group of the sampler's batch
-    ``g``: a function of (seed, g) alone, so a resumed run admits the same prompts. Each
-    delivered :class:`ScoredBatch` carries the producer's state *after* it was produced, which
-    the trainer checkpoints with the step that trains it."""
+    ``g``: a function of (seed, g) alone, so a resumed run admits the same prompts. A producer of
+    every ``stride``-th batch (rollout worker ``k`` of ``stride``) admits the groups ``k, k + stride,
+    ...``. Each delivered :class:`ScoredBatch` carries the producer's state *after* it was produced,
+    which the trainer checkpoints with the step that trains it."""
 
     def __init__(self, *args, batch_groups: int, group_size: int, delta: DeltaController, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = "rollout-producer-oppo"
         self.b, self.group_size, self.delta = batch_groups, group_size, delta
         self.buffer = CarryBuffer(self.params.max_new_tokens)
-        self.next_group = self.next_index * batch_groups  # a fresh run: 0; see load_state_dict
+        # A fresh run: group k of worker k (0 in one process); a resumed one: see load_state_dict.
+        k = self.next_index % self.stride
+        self.next_group = k + self.stride * (self.next_index // self.stride) * batch_groups
 
     def _group(self, g: int) -> tuple[list[list[int]], list[dict]]:
         prompts, meta = self.sampler.batch(g)
@@ -242,7 +269,7 @@ class OverlapProducer(RolloutProducer):
         while len(self.buffer.groups) < self.b + self.delta.delta:
             prompts, meta = self._group(self.next_group)
             self.buffer.admit(self.next_group, prompts, meta, j)
-            self.next_group += 1
+            self.next_group += self.stride
         rows = self.buffer.active()
         stream_metrics: dict[str, float] = {}
         if rows and len(self.buffer.complete()) < self.b:
@@ -289,14 +316,21 @@ class OverlapProducer(RolloutProducer):
         return scored
 
     def _produce_next(self, j: int) -> ScoredBatch:
-        self.admission.admit(self.b * self.group_size)  # the bound counts trained samples, as without OPPO
+        # The bound counts trained samples, as without OPPO; batches before j count whoever made them (workers).
+        self.admission.admit_batch(j, self.b * self.group_size)
         self._load_start(j)
         return self.produce(j)
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.state_dict(), "delta": self.delta.state_dict(), "next_group": self.next_group}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore :meth:`state_dict` (a one-worker checkpoint's ``{"workers": [state]}`` too);
+        None: nothing was trained yet, start afresh."""
+        if state is None or "workers" in state:
+            [state] = per_worker_states(state, 1)
+            if state is None:
+                return
         self.buffer.load_state_dict(state["buffer"])
         self.delta.load_state_dict(state["delta"])
         self.next_group = int(state["next_group"])

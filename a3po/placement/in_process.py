@@ -29,7 +29,7 @@ class RolloutInputs:
     tokenizer: object
     train_rows: list[dict]
     score: Callable[[list[str], list[dict]], list[float]]  # (completions, meta) -> rewards
-    intra: StreamHook | None = None  # a3po.oppo.intra.IntraScoring with oppo.intra (in-process placement only)
+    intra: StreamHook | None = None  # a3po.oppo.intra.IntraScoring with oppo.intra (the trainer's, or a rollout worker's own)
 
 
 def local_producer(

@@ -14,10 +14,12 @@ Two gloo links (:class:`a3po.parallel.ranks.Link`: process groups of their own, 
 trainer ranks' world) over {trainer rank 0, workers}, each used by one thread per process:
 
 * **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
-  layout, the versions that follow at once: the checkpoint's history on resume), then every
-  version the trainer publishes, in order: an int64 header ``[version]`` and the state dict as one
-  byte buffer (exact: bytes, not values); header ``[-1]`` ends the run. The versions are the
-  trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3. With
+  layout, the versions that follow at once: the checkpoint's history on resume; with OPPO the
+  critic's layout and each worker's checkpointed OPPO state), then every version the trainer
+  publishes, in order: an int64 header ``[version]`` and the state dict as one byte buffer (exact:
+  bytes, not values), with ``oppo.intra`` and a critic followed by the critic's state of that
+  version; header ``[-1]`` ends the run. The versions are the trainer's weight store's: whole
+  weights, gathered by every trainer rank under ZeRO-3. With
   ``model.lora`` a version is the adapters alone (what the store holds): the worker builds the
   trainer's peft model on the same warm start (:func:`worker_inputs`; the adapters' ``A`` is drawn
   from a fixed seed and ``B`` is 0, so the two start equal) and merges each version into its own
@@ -27,9 +29,25 @@ trainer ranks' world) over {trainer rank 0, workers}, each used by one thread pe
   engine then loads exactly what a single-process run's engine loads.
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
-  log-probs, per-token versions, finished flags, rewards) and a JSON blob (meta, completions,
-  grader counters, generation time, the producer's per-batch figures). Index ``-1`` carries a
-  worker's error text instead.
+  log-probs, per-token versions, finished flags, rewards), a JSON blob (meta, completions,
+  grader counters, generation time, the producer's per-batch figures, its OPPO states after the
+  batch, the names and shapes of the streamed tensors) and the streamed tensors (``oppo.intra``:
+  reference log-probs, critic values, reward-model scores). Index ``-1`` carries a worker's error
+  text instead.
+
+OPPO (docs/oppo.md) runs where generation runs, in each worker:
+
+* ``oppo.inter``: worker ``k`` keeps its own carry-over buffer and admits the groups ``k, k + N,
+  ...`` (:mod:`a3po.oppo.overcommit`); carried groups never change hands. Each batch brings back
+  its worker's state after it; the trainer's :class:`RemoteRollouts` keeps the newest of every
+  worker up to the batch it delivers, so the checkpoint written after training batch ``j`` holds,
+  per worker, its state after its last batch ``<= j``: exactly where that worker restarts (its
+  first batch ``> j``), the hello hands it back. Each admitted group is trained once: by the batch
+  that takes it, before or after a resume (batches generated but not trained when a run stops are
+  made again from the checkpointed state, the same under ``rl.schedule: deterministic``).
+* ``oppo.intra``: the scorers run in the worker on the worker's reference and reward model and on
+  the trainer's critic versions pushed with the weights (:mod:`a3po.oppo.intra`); the streamed
+  tensors come back with the batch, so the trainer uses them as in one process.
 
 With several trainer ranks, rank 0 broadcasts each batch, in the same framing, to the others over
 a gloo group of the trainers' world (:class:`SharedRollouts`); each trains on its shard.
@@ -58,10 +76,12 @@ import torch.distributed as dist
 
 from a3po.devices import model_device
 from a3po.models.lora import trained_state, with_lora
+from a3po.oppo.intra import IntraScoring
+from a3po.oppo.overcommit import per_worker_states
 from a3po.parallel.ranks import Link, Ranks, launch_links
 from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
-from a3po.producer.weight_store import WeightStore
+from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
 
 TRAINER = 0  # global rank of the trainer, and its rank in the weights and samples links (worker k's is 1 + k)
@@ -104,20 +124,26 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dic
     return out
 
 
-def _push_version(version: int, state: dict[str, torch.Tensor], link: Link) -> None:
+def _push_version(version: int, states: list[dict[str, torch.Tensor]], link: Link) -> None:
+    """Version ``version``: the policy's state, then the critic's with ``oppo.intra``."""
     link.broadcast(torch.tensor([version], dtype=torch.int64), TRAINER)
-    link.broadcast(pack_state(state), TRAINER)
+    for state in states:
+        link.broadcast(pack_state(state), TRAINER)
 
 
-def _receive_version(layout: Layout, device: torch.device, link: Link) -> tuple[int, dict[str, torch.Tensor] | None]:
+def _receive_version(layouts: list[Layout], device: torch.device, link: Link) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """What :func:`_push_version` sent (one state per layout); ``(STOP, [])`` at the end of the run."""
     header = torch.empty(1, dtype=torch.int64)
     link.broadcast(header, TRAINER)
     version = int(header)
     if version == STOP:
-        return version, None
-    buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
-    link.broadcast(buf, TRAINER)
-    return version, unpack_state(buf, layout, device)
+        return version, []
+    states = []
+    for layout in layouts:
+        buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
+        link.broadcast(buf, TRAINER)
+        states.append(unpack_state(buf, layout, device))
+    return version, states
 
 
 # --- samples: worker -> trainer ------------------------------------------------------------------
@@ -133,11 +159,12 @@ def _put_batch(sb: ScoredBatch, put: Callable[[torch.Tensor], Any]) -> None:
     b = sb.rollout
     rows, cols = b.input_ids.shape
     info = json.dumps({"meta": b.meta, "completions": sb.completions, "gen_time_s": sb.gen_time_s, "grader": sb.grader,
-                       "metrics": sb.metrics})
+                       "metrics": sb.metrics, "producer_state": sb.producer_state, "stream_state": sb.stream_state,
+                       "streamed": state_layout(sb.streamed)})
     blob = _text_tensor(info)
     header = torch.tensor([sb.index, rows, cols, b.prompt_len, len(blob)], dtype=torch.int64)
     for t in (header, b.input_ids, b.attention_mask, b.response_mask.to(torch.uint8), b.behav_logp, b.versions,
-              b.finished.to(torch.uint8), sb.rewards, blob):
+              b.finished.to(torch.uint8), sb.rewards, blob, *sb.streamed.values()):
         put(t.detach().contiguous().cpu())
 
 
@@ -165,8 +192,10 @@ def _take_batch(take: Callable[[torch.Tensor], Any], device: torch.device) -> Sc
     response_mask, behav_logp, versions = recv(grid, torch.uint8).bool(), recv(grid, torch.float32), recv(grid, torch.int64)
     finished, rewards = recv((rows,), torch.uint8).bool(), recv((rows,), torch.float32)
     info = json.loads(bytes(recv((nbytes,), torch.uint8).cpu().numpy()))
+    streamed = {name: recv(tuple(shape), getattr(torch, dtype)) for name, dtype, shape in info["streamed"]}
     rollout = RolloutBatch(input_ids, attention_mask, response_mask, behav_logp, versions, finished, prompt_len, info["meta"])
-    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"], metrics=info["metrics"])
+    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"], metrics=info["metrics"],
+                       producer_state=info["producer_state"], stream_state=info["stream_state"], streamed=streamed)
 
 
 def send_batch(sb: ScoredBatch, link: Link) -> None:
@@ -185,15 +214,43 @@ def receive_batch(src: int, link: Link, device: torch.device) -> ScoredBatch | s
 # --- the trainer's side --------------------------------------------------------------------------
 
 
+class WorkerStates:
+    """The OPPO states of every worker (carry-over ledger, chunk tuner), each as of that worker's
+    newest batch delivered so far (or the checkpoint's; None: none yet). Batches are delivered in
+    order, so after batch ``j`` they are every worker's state after its last batch ``<= j``: what
+    a checkpoint written after training ``j`` holds, and where each worker restarts."""
+
+    def __init__(self, workers: int) -> None:
+        self.carry: list[dict | None] = [None] * workers
+        self.tuners: list[dict | None] = [None] * workers
+
+    def record(self, k: int, got: ScoredBatch) -> ScoredBatch:
+        """Batch ``got`` of worker ``k``, its states replaced by every worker's (``{"workers": [...]}``)."""
+        if got.producer_state is not None:
+            self.carry[k] = got.producer_state
+            got.producer_state = {"workers": list(self.carry)}
+        if got.stream_state is not None:
+            self.tuners[k] = got.stream_state
+            got.stream_state = {"workers": list(self.tuners)}
+        return got
+
+
 class RemoteRollouts:
     """The trainer's producer when rollout workers generate: the interface of
     :class:`a3po.producer.producer.RolloutProducer` (``start``, ``next_batch``, ``stop``, ``join``, ``close``).
-    A pusher thread broadcasts every version published to ``store``; a receiver thread collects
-    batches ``start .. rl.steps - 1`` in order, batch ``j`` from worker ``j mod N``."""
+    A pusher thread broadcasts every version published to ``store`` (with ``oppo.intra`` and a
+    critic, the critic's version from ``inp.intra``'s store beside it); a receiver thread collects
+    batches ``start .. rl.steps - 1`` in order, batch ``j`` from worker ``j mod N``, and hands each
+    on with every worker's newest OPPO states as of it (``{"workers": [...]}``, module docstring)."""
 
     def __init__(self, inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> None:
         self.store, self.start_index, self.end = store, start, inp.cfg.rl.steps
         self.workers = list(range(ranks.world_size, ranks.launch_size))
+        # The critic's versions (oppo.intra): published by the trainer beside the policy's, on the same retention.
+        self.critic_store = inp.intra.critic_store if isinstance(inp.intra, IntraScoring) else None
+        self.oppo = WorkerStates(len(self.workers))
+        if isinstance(inp.intra, IntraScoring) and inp.intra.worker_states is not None and len(inp.intra.worker_states) == len(self.workers):
+            self.oppo.tuners = list(inp.intra.worker_states)  # else the tuners start afresh: a schedule, not a ledger
         self.device = model_device(inp.policy)
         self.weights_link, self.samples_link = rollout_links()
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
@@ -206,18 +263,27 @@ class RemoteRollouts:
         for t in self._threads:
             t.start()
 
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's OPPO carry-over (``oppo_state``): each worker's, handed to it in the hello."""
+        self.oppo.carry = per_worker_states(state, len(self.workers))
+
     def _hold(self, version: int) -> None:
         # The store keeps every version not yet pushed, whatever the trainer has moved on to.
         if self.store.retention is not None:
             self.store.retention.hold("weight-push", version)
 
+    def _states(self, version: int) -> list[dict[str, torch.Tensor]]:
+        return [self.store.get(version)] + ([self.critic_store.get(version)] if self.critic_store is not None else [])
+
     def _push(self) -> None:
         try:
             versions = self.store.versions()
             layout = state_layout(self.store.get(versions[-1]))
-            self.weights_link.share({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions})
+            critic_layout = state_layout(self.critic_store.get(versions[-1])) if self.critic_store is not None else None
+            self.weights_link.share({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions,
+                                     "critic_layout": critic_layout, "oppo_state": self.oppo.carry, "intra_state": self.oppo.tuners})
             for v in versions:
-                _push_version(v, self.store.get(v), self.weights_link)
+                _push_version(v, self._states(v), self.weights_link)
             last = versions[-1]
             self._hold(last + 1)
             while True:
@@ -226,7 +292,7 @@ class RemoteRollouts:
                         self.store.cond.wait(timeout=1.0)
                     latest, halting = self.store.latest, self._halt.is_set()
                 for v in range(last + 1, latest + 1):
-                    _push_version(v, self.store.get(v), self.weights_link)
+                    _push_version(v, self._states(v), self.weights_link)
                     last = v
                     self._hold(last + 1)
                 if halting:
@@ -251,7 +317,7 @@ class RemoteRollouts:
             if isinstance(got, str):
                 self.out.put(ProducerFailed(f"rollout worker rank {src} failed:\n{got}"))
                 return
-            self.out.put(got)
+            self.out.put(self.oppo.record(k, got))
 
     def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
         try:
@@ -312,6 +378,10 @@ class SharedRollouts:
         _put_batch(batch, self._broadcast)
         return batch
 
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.source is not None:
+            self.source.load_state_dict(state)
+
     def stop(self) -> None:
         if self.source is not None:
             self.source.stop()
@@ -334,9 +404,10 @@ def worker_inputs(inp: RolloutInputs) -> RolloutInputs:
     return replace(inp, policy=with_lora(inp.policy, inp.cfg.model.lora))
 
 
-def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
+def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention], IntraScoring] | None = None) -> int:
     """Generate this worker's batches for the trainer until the run ends; returns how many it
-    sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it)."""
+    sent. The engine starts from ``inp.policy`` (the warm start, as the trainer loaded it).
+    ``intra`` (``oppo.intra``): builds the worker's scorers on the retention of its weight stores."""
     inp = worker_inputs(inp)
     weights_link, samples_link = rollout_links()
     hello = weights_link.share(None)
@@ -347,20 +418,38 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
                            f"(trainer {diff[0]} vs worker {diff[1]}); both must load the same model")
     device = model_device(inp.policy)
     store = WeightStore(weight_retention(inp.cfg, end=hello["end"]))
-    for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
-        store.publish(*_receive_version(layout, device, weights_link))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
+    scoring = intra(store.retention) if intra is not None else None
+    if scoring is not None:
+        inp = replace(inp, intra=scoring)
+        if hello["intra_state"][k] is not None:  # this worker's chunk tuner continues its schedule
+            scoring.load_state_dict(hello["intra_state"][k])
+    critic_store = scoring.critic_store if scoring is not None else None
+    if (hello["critic_layout"] is None) != (critic_store is None):
+        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer {'sends no' if critic_store is not None else 'sends'} critic "
+                           f"weights for oppo.intra and this worker {'scores with' if critic_store is not None else 'has no'} a critic")
+    layouts = [layout] + ([hello["critic_layout"]] if critic_store is not None else [])
+
+    def publish(version: int, states: list[dict[str, torch.Tensor]]) -> None:
+        if critic_store is not None:  # before the policy's: a batch on that version finds its critic
+            critic_store.publish(version, states[1])
+        store.publish(version, states[0])
+
+    for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
+        publish(*_receive_version(layouts, device, weights_link))
     first = hello["start"] + (k - hello["start"]) % n
     producer = local_producer(inp, store, first, stride=n, end=hello["end"])
+    if inp.cfg.oppo.inter:  # this worker's carry-over as the checkpoint kept it (None: none trained yet)
+        producer.load_state_dict(hello["oppo_state"][k])
 
     def receive_weights() -> None:
         try:
             while True:
-                version, state = _receive_version(layout, device, weights_link)
+                version, states = _receive_version(layouts, device, weights_link)
                 if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
                     producer.out.put(None)
                     return
-                store.publish(version, state)
+                publish(version, states)
         except BaseException as e:
             producer.out.put(ProducerFailed(f"rollout worker rank {ranks.rank} lost the trainer (rank {TRAINER}) waiting for weights: {e!r}"))
             store.close()
@@ -382,8 +471,12 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
         except BaseException:
             pass
         producer.stop()
+        if scoring is not None:
+            scoring.close()
         raise
     receiver.join()  # every broadcast needs all members: take the trainer's versions until it stops
     producer.stop()
+    if scoring is not None:  # scorer threads end before the producer is joined, as in the trainer process
+        scoring.close()
     producer.join(timeout=30)
     return sent

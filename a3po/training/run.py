@@ -20,14 +20,17 @@ from a3po.data.datasets import load_rows, prompt_style
 from a3po.devices import resolve_device
 from a3po.models.factory import load_model, load_pretrained
 from a3po.models.lora import is_lora, merged_model
+from a3po.oppo.intra import IntraScoring
 from a3po.parallel.ranks import init_ranks
 from a3po.parallel.updaters import plain_model
 from a3po.placement.cores import own_cores
 from a3po.placement.rollout_workers import serve_rollouts
+from a3po.producer.weight_store import Retention
 from a3po.storage.atomic import replace_dir
 from a3po.training.heldout import evaluate_heldout
 from a3po.training.loop import TrainResult, checked_rollout_inputs, rl_train
 from a3po.training.metrics import MetricLogger
+from a3po.training.ppo_parts import build_ppo_parts
 from a3po.training.warmstart import warm_start
 
 
@@ -69,6 +72,14 @@ def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path, log: Callable[[s
     return out, acc
 
 
+def _worker_scoring(cfg: TrainConfig, model: torch.nn.Module, pad_token_id: int) -> Callable[[Retention], IntraScoring]:
+    """OPPO intra in a rollout worker: its scorers on the PPO parts built from the warm start, as
+    the trainer builds its own (the critic's weights then come from the trainer, a3po.oppo.intra)."""
+    parts = build_ppo_parts(cfg.ppo, model, cfg.rl.temperature)
+    parts.critic_optimizer = None  # the trainer trains the critic; the scorers copy its versions
+    return lambda retention: IntraScoring(parts, cfg.oppo, pad_token_id, retention)
+
+
 def train_variant(
     cfg: TrainConfig,
     run_dir: str | Path,
@@ -94,7 +105,8 @@ def train_variant(
         cfg = dataclasses.replace(cfg, torch_threads=len(cores), update_threads=len(cores), generate_threads=len(cores))
         torch.set_num_threads(len(cores))
     if ranks.is_rollout_worker:
-        serve_rollouts(checked_rollout_inputs(cfg, model, tokenizer, train_rows), ranks)
+        scoring = _worker_scoring(cfg, model, tokenizer.pad_token_id) if cfg.oppo.intra else None
+        serve_rollouts(checked_rollout_inputs(cfg, model, tokenizer, train_rows), ranks, intra=scoring)
         return None
     result = rl_train(
         cfg, model, tokenizer, train_rows, heldout_rows,
