@@ -80,10 +80,13 @@ def test_cells_read_off_the_checks_by_hand():
     # Intra without a critic or a KL reference has nothing to score with: the cells' kl_coef is what makes them run.
     with pytest.raises(ValueError, match="oppo.intra needs scoring models"):
         with_overrides(preset("micro"), oppo={"intra": True})
-    # vLLM: one trainer process only, no workers.
+    # vLLM: in one trainer process, or in the workers beside one trainer or ZeRO trainer ranks (the
+    # production topology); never in each of several trainer ranks; never with the carry-over.
     assert results[Cell("vllm", "in_process", "one process", "off", "gae")] is None
     assert "every trainer rank would start its own engine" in results[Cell("vllm", "in_process", "ZeRO-1", "off", "none")]
-    assert "rollout.engine 'vllm'" in results[Cell("vllm", "workers", "one process", "off", "none")]
+    assert all(results[Cell("vllm", "workers", t, "off", "none")] is None for t in ("one process", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
+    assert results[Cell("vllm", "workers", "one process", "off", "gae")] is None
+    assert results[Cell("vllm", "in_process", "one process", "inter", "none")].startswith("rollout.engine 'vllm' with oppo.inter")
 
 
 # --- slow: the one-process cells train -----------------------------------------------------------

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from a3po.devices import model_device
 from a3po.parallel.ranks import Link, Ranks, launch_links
-from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
+from a3po.placement.in_process import RolloutInputs, behaviour_check, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
@@ -335,7 +335,10 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks) -> int:
         store.publish(*_receive_version(layout, device, weights_link))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
     first = hello["start"] + (k - hello["start"]) % n
-    producer = local_producer(inp, store, first, stride=n, end=hello["end"])
+    # The engine's log-prob error against this worker's trainer-precision copy (proximal: metrics)
+    # travels to the trainer in each batch's figures. The rollout correction's own log-probs do not:
+    # with workers it runs synchronously only, the trainer computing them (a3po.config.schema).
+    producer = local_producer(inp, store, first, stride=n, end=hello["end"], check=behaviour_check(inp, store))
 
     def receive_weights() -> None:
         try:
