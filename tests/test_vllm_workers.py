@@ -32,6 +32,9 @@ from tests.support.cli_runs import deepspeed_json, run_to_json
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 BEHAV_TOL_MAX = 1e-4  # nats, as tests/test_vllm_engine.py (float32)
+# A launch takes ~2 min on 2 idle cores (vLLM's start-up alone 30-70 s); on a loaded machine several
+# times that, past the suite's 600 s per test.
+LAUNCH_TIMEOUT_S = 1800
 
 
 # --- the config: which topologies vLLM runs in --------------------------------------------------
@@ -95,7 +98,7 @@ def _launch(model: Path, out: Path, nproc: int, deepspeed: Path | None = None) -
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "a3po.cli", "train",
                "--preset", "micro", "--config", str(config), "--output-dir", str(out), "--no-progress", "--variant", "loglinear"]
-    result = run_to_json(command, REPO_ROOT, _env())
+    result = run_to_json(command, REPO_ROOT, _env(), timeout=LAUNCH_TIMEOUT_S - 60)
     rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     return result, rows
 
@@ -116,6 +119,7 @@ def _assert_worker_batches_match_the_trainer(result: dict, rows: list[dict]) -> 
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S)
 def test_a_trainer_and_a_vllm_rollout_worker_train_with_the_engines_logprobs_checked(micro_h32, tmp_path):
     _needs_vllm()
     result, rows = _launch(micro_h32, tmp_path / "run", nproc=2)
@@ -125,6 +129,7 @@ def test_a_trainer_and_a_vllm_rollout_worker_train_with_the_engines_logprobs_che
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S)
 def test_two_zero_trainer_ranks_beside_a_vllm_rollout_worker(micro_h32, tmp_path):
     _needs_vllm()
     from a3po.config.preflight import deepspeed_available
