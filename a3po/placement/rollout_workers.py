@@ -8,7 +8,10 @@ rank 0 ("the trainer" below) talks to the workers. Worker ``k`` generates batche
 ``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.in_process.local_producer`:
 same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward function), so
 under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
-single-process run, bit for bit.
+single-process run, bit for bit. With ``rollout.engine: vllm`` the worker holds the vLLM engine
+(reloaded in place for each version it receives) and the trainer ranks none; with ``proximal:
+metrics`` the worker re-scores each batch with its own trainer-precision copy of the policy and
+the engine-vs-trainer figures (``rollout/behav_logp_*``) travel with the batch.
 
 Two gloo links (:class:`a3po.parallel.ranks.Link`: process groups of their own, outside the
 trainer ranks' world) over {trainer rank 0, workers}, each used by one thread per process:
