@@ -50,14 +50,14 @@ REVIEWS = {
         "a library limit. Streaming needs a hook called after each decode step; vLLM's offline `LLM.generate` returns "
         "finished sequences only. (With rollout workers and the torch engine the scorers run in each worker, "
         "`a3po.oppo.intra`.)",
-    "rollout.engine 'vllm' with oppo.inter or distributed.rollout_workers is not supported yet: use rollout.engine torch there":
-        "current limit. Rollout workers build the torch engine's producer, and the carry-over resumes partial sequences "
-        "token by token, which the vLLM engine does not do.",
-    "rollout.engine 'vllm' with distributed.deepspeed_config: every trainer rank would start its own engine; data-parallel "
-    "ranks use the torch engine":
+    "rollout.engine 'vllm' with oppo.inter is not supported yet: use rollout.engine torch there":
+        "current limit. The carry-over resumes partial sequences token by token; vLLM's offline `LLM.generate` returns "
+        "finished sequences only.",
+    "rollout.engine 'vllm' with distributed.deepspeed_config and no rollout workers: every trainer rank would start its "
+    "own engine; run the engine in distributed.rollout_workers":
         "a design limit. Without workers each data-parallel rank generates the whole batch itself, so each would hold a "
-        "vLLM engine beside its trainer; vLLM beside DeepSpeed ranks belongs in rollout workers, not wired yet (above), so "
-        "vLLM trains with one trainer process today.",
+        "vLLM engine beside its trainer. vLLM beside DeepSpeed ranks belongs in rollout workers, and runs there: the "
+        "workers build the engine, the ZeRO ranks only train.",
 }
 
 

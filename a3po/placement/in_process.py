@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates
+from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates, proximal_method_name
 from a3po.data.datasets import prompt_style
 from a3po.models.lora import MergedWeights, is_lora
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
@@ -17,6 +18,7 @@ from a3po.placement.cores import generate_threads
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
 from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.engines import build_engine
+from a3po.rollout.logprob_mismatch import BehaviourCheck
 from a3po.rollout.torch_engine import SamplingParams
 
 
@@ -71,6 +73,19 @@ def local_producer(
         stream=inp.intra,
         threads=generate_threads(inp.cfg),
     )
+
+
+def behaviour_check(inp: RolloutInputs, store: WeightStore, keep_logp: bool = False) -> BehaviourCheck | None:
+    """The per-batch re-scoring with a trainer-precision torch copy of the policy
+    (:class:`~a3po.rollout.logprob_mismatch.BehaviourCheck`), when the run asks for it:
+    ``proximal: metrics`` reports the engine's log-prob error against it (``rollout/behav_logp_*``);
+    ``keep_logp``, the rollout correction's numerator. None when neither. The same in a trainer
+    process and in a rollout worker, whose figures travel to the trainer with the batch."""
+    rl = inp.cfg.rl
+    if not (PROXIMAL_METHODS.get(proximal_method_name(rl)).checks_behaviour or keep_logp):
+        return None
+    return BehaviourCheck(inp.policy, engine_weights(inp.policy, store), rl.temperature, keep_logp=keep_logp,
+                          share_prompt=rl.shared_prompt_forward)
 
 
 def engine_weights(policy: torch.nn.Module, store: WeightStore) -> Callable[[int], dict[str, torch.Tensor]]:

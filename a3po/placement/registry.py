@@ -13,17 +13,15 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import trainer_logp_source
-from a3po.config import DistributedConfig, effective_max_staleness, proximal_method_name
+from a3po.config import DistributedConfig, effective_max_staleness
 from a3po.devices import model_device
 from a3po.parallel.ranks import Ranks
-from a3po.placement.in_process import RolloutInputs, engine_weights, local_producer
+from a3po.placement.in_process import RolloutInputs, behaviour_check, local_producer
 from a3po.placement.rollout_workers import RemoteRollouts, SharedRollouts
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.registry import Registry
-from a3po.rollout.logprob_mismatch import BehaviourCheck
 
 
 class Producer(Protocol):
@@ -53,10 +51,7 @@ def in_process(inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks)
     # ``proximal: metrics`` also measures the engine's log-prob mismatch against a trainer forward;
     # an asynchronous rollout correction keeps that forward's log-probs for the loss.
     rl = inp.cfg.rl
-    checks = PROXIMAL_METHODS.get(proximal_method_name(rl)).checks_behaviour
-    keep = trainer_logp_source(rl.rollout_correction, effective_max_staleness(rl)) == "producer"
-    check = (BehaviourCheck(inp.policy, engine_weights(inp.policy, store), rl.temperature, keep_logp=keep, share_prompt=rl.shared_prompt_forward)
-             if checks or keep else None)
+    check = behaviour_check(inp, store, keep_logp=trainer_logp_source(rl.rollout_correction, effective_max_staleness(rl)) == "producer")
     # Up to the run's last batch: a batch past it would read a version the store no longer keeps.
     return local_producer(inp, store, start, end=inp.cfg.rl.steps, check=check)
 

@@ -8,7 +8,10 @@ rank 0 ("the trainer" below) talks to the workers. Worker ``k`` generates batche
 ``j = k, k + N, ...`` with the trainer process's own code (:func:`a3po.placement.in_process.local_producer`:
 same engine, sampling parameters, per-batch seed ``batch_seed(seed, j)``, reward function), so
 under ``rl.schedule: deterministic`` a disaggregated run makes the very samples of the threaded
-single-process run, bit for bit.
+single-process run, bit for bit. With ``rollout.engine: vllm`` the worker holds the vLLM engine
+(reloaded in place for each version it receives) and the trainer ranks none; with ``proximal:
+metrics`` the worker re-scores each batch with its own trainer-precision copy of the policy and
+the engine-vs-trainer figures (``rollout/behav_logp_*``) travel with the batch.
 
 Two gloo links (:class:`a3po.parallel.ranks.Link`: process groups of their own, outside the
 trainer ranks' world) over {trainer rank 0, workers}, each used by one thread per process:
@@ -79,7 +82,7 @@ from a3po.models.lora import trained_state, with_lora
 from a3po.oppo.intra import IntraScoring
 from a3po.oppo.overcommit import per_worker_states
 from a3po.parallel.ranks import Link, Ranks, launch_links
-from a3po.placement.in_process import RolloutInputs, local_producer, weight_retention
+from a3po.placement.in_process import RolloutInputs, behaviour_check, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
 from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.torch_engine import RolloutBatch
@@ -438,7 +441,10 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
         publish(*_receive_version(layouts, device, weights_link))
     first = hello["start"] + (k - hello["start"]) % n
-    producer = local_producer(inp, store, first, stride=n, end=hello["end"])
+    # The engine's log-prob error against this worker's trainer-precision copy (proximal: metrics)
+    # travels to the trainer in each batch's figures. The rollout correction's own log-probs do not:
+    # with workers it runs synchronously only, the trainer computing them (a3po.config.schema).
+    producer = local_producer(inp, store, first, stride=n, end=hello["end"], check=behaviour_check(inp, store))
     if inp.cfg.oppo.inter:  # this worker's carry-over as the checkpoint kept it (None: none trained yet)
         producer.load_state_dict(hello["oppo_state"][k])
 

@@ -1,4 +1,5 @@
-"""The vLLM rollout engine: ``vllm.LLM`` in the trainer's process, fed token ids.
+"""The vLLM rollout engine: ``vllm.LLM`` in the process that generates (the trainer's, or a rollout
+worker's with ``distributed.rollout_workers``), fed token ids.
 
 * Prompts go in as token ids and tokens come back as ids (``skip_tokenizer_init``): no tokenizer
   round trip, so the trainer sees exactly the ids vLLM sampled, whatever the tokenizer.
@@ -102,8 +103,15 @@ class VllmEngine:
 
         kwargs.setdefault("device", model_device(policy))
         check_head_dim(policy.config, on_cuda=torch.cuda.is_available())
+        from safetensors.torch import save_file
+
+        # The config and ``state`` as they are, not ``policy.save_pretrained``: ``state`` may be a LoRA
+        # policy's merged weights (a3po.models.lora.MergedWeights), which the peft-injected policy would
+        # not save as a plain model.
         model_dir = Path(work_dir) / "model"
-        policy.save_pretrained(model_dir, state_dict=_unique_storage(state), safe_serialization=True)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        policy.config.save_pretrained(model_dir)
+        save_file(_unique_storage(state), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(model_dir)
             eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
