@@ -1,17 +1,22 @@
 """Nightly convergence parity: does loglinear (A-3PO) still converge like recompute and sync?
 
-    python -m flows.nightly_parity                         # tiny preset, 3 seeds, exit 1 on failure
+    python -m flows.nightly_parity                         # tiny preset, 6 seeds x 75 steps, exit 1 on failure
     python -m flows.nightly_parity --preset micro --seeds 0,1 --steps 4   # plumbing smoke run
     python -m flows.nightly_parity --candidate loglinear+oppo-inter --references loglinear \
         --set data.long_tail_frac=0.25 --set rl.max_new_tokens=64      # OPPO on vs off (docs/oppo.md)
 
-Runs the comparison (``flows.common.run_comparison``) over K seeds, then decides
-parity with the paired-bootstrap rule of :mod:`tasks.parity`: per reference, the CI of the mean
-per-seed difference (candidate - reference) of the final smoothed training reward (or the final
-held-out accuracy) must have its lower bound above ``-tolerance``. The MLflow parent run is
-tagged ``parity=pass|fail`` and carries ``parity/...`` metrics and a report; the report also
-lists earlier nightly runs found in MLflow (``search_runs`` on the tags) and says whether
-tonight's bounds are better or worse than their median. The command exits non-zero on failure.
+Runs the comparison (``flows.common.run_comparison``) over K seeds, then decides parity from the
+per-seed differences (candidate - reference) of the final smoothed training reward (or the final
+held-out accuracy), by one of the rules of :mod:`tasks.parity`. ``auto`` (the default) takes the
+shortfall rule where the setting has a recorded calibration (the tiny preset at its nightly
+budget: K = 6 seeds at 75 RL steps): the mean difference to the references' mean must not fall
+below the healthy candidate's by more than ``z sigma / sqrt(K)``, sigma the seed noise measured by
+``bench.nightly_power``. Elsewhere it takes the noninferiority rule: per reference, the paired
+bootstrap CI of the mean difference must have its lower bound above ``-tolerance``. The MLflow
+parent run is tagged ``parity=pass|fail`` and carries ``parity/...`` metrics and a report (its
+first line names the rule and calibration); the report also lists earlier nightly runs found in
+MLflow (``search_runs`` on the tags) and says whether tonight's bounds are better or worse than
+their median. The command exits non-zero on failure.
 
 Scheduled by a Prefect deployment (cron ``0 2 * * *``): ``infra/prefect.yaml`` or
 ``python infra/deploy_nightly.py``; schedules need a real Prefect server and a worker
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefect import flow, get_run_logger
-from pydantic import Field
+from pydantic import Field, model_validator
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.redact import mask_uri
@@ -39,19 +44,40 @@ from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
 from tasks.arms import arm_config, arm_name
 from tasks.links import RunLinks
-from tasks.parity import METRICS, RULES, ParityResult, calibration_for, decide_parity, earlier_nights, parity_metrics, report_markdown, trend_verdict
+from tasks.parity import (
+    METRICS,
+    NIGHTLY_SEEDS,
+    NIGHTLY_STEPS,
+    RULES,
+    ParityResult,
+    calibration_for,
+    decide_parity,
+    earlier_nights,
+    parity_metrics,
+    report_markdown,
+    trend_verdict,
+)
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
 from tasks.training import launch_for_config
 
 
 class NightlySpec(ComparisonSpec):
-    """A nightly parity run's shared parameters, with this flow's defaults: K = 3 seeds, no
-    benchmarks, a folder per UTC date."""
+    """A nightly parity run's shared parameters, with this flow's defaults: K = 6 seeds, the
+    preset's nightly budget of RL steps (tasks.parity.NIGHTLY_STEPS) where neither the steps nor
+    a config are given, no benchmarks, a folder per UTC date."""
 
     default_output_dir: ClassVar[str] = "runs/nightly/{date}"
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    seeds: list[int] = Field(default_factory=lambda: list(NIGHTLY_SEEDS), min_length=1)
     experiment: str = "a3po-nightly"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nightly_budget(cls, values: dict[str, Any]) -> dict[str, Any]:
+        sets_steps = values.get("config") or "steps" in ((values.get("overrides") or {}).get("rl") or {})
+        if values.get("steps") is None and not sets_steps and values.get("preset", "tiny") in NIGHTLY_STEPS:
+            return {**values, "steps": NIGHTLY_STEPS[values.get("preset", "tiny")]}
+        return values
 
 
 class ParityRegression(RuntimeError):
@@ -75,18 +101,20 @@ def check_arms(spec: ComparisonSpec, candidate: str, references: list[str]) -> t
 
 
 def resolve_rule(spec: ComparisonSpec, steps: int, candidate: str, references: list[str], metric: str, rule: str,
-                 noise_sd: float | None, healthy_mean: float | None) -> tuple[str, float | None, float | None, str]:
-    """``(rule, noise_sd, healthy_mean, note)``: the rule the night decides with, its calibration
-    (given, or recorded for this setting), and a line saying which and why."""
+                 noise_sd: float | None, healthy_mean: float | None,
+                 calibration_seeds: int | None = None) -> tuple[str, float | None, float | None, int | None, str]:
+    """``(rule, noise_sd, healthy_mean, calibration_seeds, note)``: the rule the night decides
+    with, its calibration (given, or recorded for this setting), and a line saying which and why."""
     if rule not in (*RULES, "auto"):
         raise ValueError(f"rule must be one of {[*RULES, 'auto']}, got {rule!r}")
     if rule == "noninferiority":
-        return rule, None, None, "noninferiority (paired bootstrap per reference, tolerance)"
+        return rule, None, None, None, "noninferiority (paired bootstrap per reference, tolerance)"
     if noise_sd is not None:
         if not noise_sd > 0:
             raise ValueError(f"noise_sd must be > 0, got {noise_sd}")
         mu = healthy_mean or 0.0
-        return "shortfall", noise_sd, mu, f"shortfall with the given calibration (healthy mean {mu:+.4f}, sd {noise_sd:.4f})"
+        on = f", {calibration_seeds} seeds" if calibration_seeds else ""
+        return "shortfall", noise_sd, mu, calibration_seeds, f"shortfall with the given calibration (healthy mean {mu:+.4f}, sd {noise_sd:.4f}{on})"
     shipped = not any((spec.config, spec.overrides, spec.model, spec.dataset, spec.task))
     try:
         if not shipped:
@@ -97,15 +125,16 @@ def resolve_rule(spec: ComparisonSpec, steps: int, candidate: str, references: l
     except ValueError as e:
         if rule == "shortfall":
             raise
-        return "noninferiority", None, None, f"noninferiority (paired bootstrap per reference, tolerance): no calibration for this setting ({e})"
-    return "shortfall", cal.noise_sd, cal.healthy_mean, (f"shortfall, calibrated on {cal.seeds} seeds (healthy mean {cal.healthy_mean:+.4f}, "
-                                                         f"sd {cal.noise_sd:.4f}; {cal.command})")
+        note = f"noninferiority (paired bootstrap per reference, tolerance): no calibration for this setting ({e})"
+        return "noninferiority", None, None, None, note
+    note = f"shortfall, calibrated on {cal.seeds} seeds (healthy mean {cal.healthy_mean:+.4f}, sd {cal.noise_sd:.4f}; {cal.command})"
+    return "shortfall", cal.noise_sd, cal.healthy_mean, cal.seeds, note
 
 
 @flow(name="nightly-parity", log_prints=True)
 def nightly_parity(
     preset: str = "tiny",
-    seeds: tuple[int, ...] | list[int] = (0, 1, 2),
+    seeds: tuple[int, ...] | list[int] = NIGHTLY_SEEDS,
     steps: int | None = None,
     candidate: str = "loglinear",
     references: tuple[str, ...] | list[str] = ("recompute", "sync"),
@@ -139,6 +168,7 @@ def nightly_parity(
     rule: str = "auto",
     noise_sd: float | None = None,
     healthy_mean: float | None = None,
+    calibration_seeds: int | None = None,
 ) -> dict[str, Any]:
     """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
 
@@ -146,10 +176,13 @@ def nightly_parity(
 
     candidate / references: arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
     OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
+    seeds / steps: default the nightly budget: seeds 0-5 and, where neither steps nor a config are
+    given, the preset's tasks.parity.NIGHTLY_STEPS (tiny: 75), the setting the calibration was measured at.
     metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
     tolerance: largest acceptable shortfall of the candidate, in the metric's units (rule noninferiority).
     rule: ``shortfall`` (a one-sided z-test of the candidate's per-seed difference to the
-    references' mean against the healthy candidate's, ``healthy_mean`` and ``noise_sd``, measured
+    references' mean against the healthy candidate's, ``healthy_mean`` and ``noise_sd`` measured on
+    ``calibration_seeds`` seeds
     by bench.nightly_power; false alarms at ``1 - confidence``; see tasks.parity),
     ``noninferiority`` (the paired bootstrap per reference with ``tolerance``), or ``auto``:
     shortfall with the recorded calibration where the setting has one (tasks.parity.CALIBRATIONS:
@@ -167,20 +200,21 @@ def nightly_parity(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     base = spec.train_config()
     candidate, references = check_arms(spec, candidate, list(references))
-    rule, noise_sd, healthy_mean, rule_note = resolve_rule(spec, base.rl.steps, candidate, references, metric, rule, noise_sd, healthy_mean)
+    rule, noise_sd, healthy_mean, calibration_seeds, rule_note = resolve_rule(spec, base.rl.steps, candidate, references, metric, rule,
+                                                                              noise_sd, healthy_mean, calibration_seeds)
     arms = list(dict.fromkeys([candidate, *references]))
     launched = launch_for_config(spec.launch_spec(), base)  # the ZeRO stage the ranks will run, for the record
     out = spec.output_folder()
     commit = git_commit()
     flow_values = dict(preset=preset, seeds=spec.seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
                        confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides,
-                       rule=rule, noise_sd=noise_sd, healthy_mean=healthy_mean)
+                       rule=rule, noise_sd=noise_sd, healthy_mean=healthy_mean, calibration_seeds=calibration_seeds)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags}
     with parent_run(spec, out, f"nightly-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
         records, links, summary = compare_and_summarise(spec, base, ref, out, arms, launch=launched)
         results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac,
-                                                             rule, noise_sd, healthy_mean or 0.0)]
+                                                             rule, noise_sd, healthy_mean or 0.0, calibration_seeds)]
         trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results], history)
         verdict = "pass" if all(r.passed for r in results) else "fail"
         report = f"Rule: {rule_note}\n\n" + report_markdown(results, trend)
@@ -223,6 +257,8 @@ def build_parser(prog: str = "python -m flows.nightly_parity") -> argparse.Argum
                          "reference with --tolerance; auto (default): shortfall where the setting has a recorded calibration")
     ap.add_argument("--noise-sd", type=float, default=None, help="the healthy pooled differences' seed-to-seed sd (bench.nightly_power)")
     ap.add_argument("--healthy-mean", type=float, default=None, help="the healthy pooled differences' mean (bench.nightly_power)")
+    ap.add_argument("--calibration-seeds", type=int, default=None,
+                    help="how many seeds --noise-sd and --healthy-mean were measured on (their error widens the threshold)")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--history", type=int, default=14, help="earlier nights to compare with")
@@ -234,11 +270,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_par
     args = build_parser(prog).parse_args(argv)
     own = dict(candidate=args.candidate, references=csv(args.references), metric=args.metric, tolerance=args.tolerance,
                confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd,
-               healthy_mean=args.healthy_mean)
+               healthy_mean=args.healthy_mean, calibration_seeds=args.calibration_seeds)
 
     def check(spec: ComparisonSpec) -> None:
         cand, refs = check_arms(spec, own["candidate"], own["references"])
-        resolve_rule(spec, spec.train_config().rl.steps, cand, refs, own["metric"], own["rule"], own["noise_sd"], own["healthy_mean"])
+        resolve_rule(spec, spec.train_config().rl.steps, cand, refs, own["metric"], own["rule"], own["noise_sd"], own["healthy_mean"],
+                     own["calibration_seeds"])
         launch_for_config(spec.launch_spec(), spec.train_config())
 
     status, res, api = run_flow("nightly_parity", nightly_parity, NightlySpec, comparison_kwargs(args), own, check)

@@ -25,11 +25,12 @@ The ``shortfall`` rule (:func:`shortfall_test`), chosen by the power analysis of
 candidate as it was when healthy. The references' per-seed mean is one pooled reference (their
 noise averages, and one test instead of one per reference keeps the false alarms at alpha),
 ``d_s = m(candidate, s) - mean_r m(r, s)``. A healthy candidate is not exactly its references:
-the recorded runs give the healthy ``d``'s mean ``mu_h`` (e.g. loglinear a little behind sync)
+N recorded seeds give the healthy ``d``'s mean ``mu_h`` (e.g. loglinear a little behind sync)
 and its seed-to-seed standard deviation ``sigma``. **Fail** iff
-``mean(d) < mu_h - z_{confidence} * sigma / sqrt(K)``: false alarms at ``1 - confidence`` for a
-healthy candidate; against a true shortfall ``delta`` the power is
-``Phi(delta sqrt(K) / sigma - z_{confidence})``. ``mu_h`` and ``sigma`` hold for the setting
+``mean(d) < mu_h - z_{confidence} * sigma * sqrt(1/K + 1/N)`` (tonight's K seeds against the N
+recorded ones, so the calibration's own error is in the threshold): false alarms at
+``1 - confidence`` for a healthy candidate; against a true shortfall ``delta`` the power is
+``Phi(delta / (sigma sqrt(1/K + 1/N)) - z_{confidence})``. ``mu_h`` and ``sigma`` hold for the setting
 they were measured at (preset, steps, candidate, references, metric): :data:`CALIBRATIONS`.
 """
 
@@ -68,6 +69,7 @@ class ParityResult:
     noise_sd: float | None = None  # the shortfall rule's sigma
     pooled: tuple[str, ...] = ()  # the references a pooled reference averages
     healthy_mean: float | None = None  # the shortfall rule's mu_h
+    calibration_seeds: int | None = None  # the seeds mu_h and sigma were measured on (N)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,12 @@ class Calibration:
 # references recompute and sync, metric final_reward (smooth_frac 0.25).
 CALIBRATIONS: dict[tuple[str, int], Calibration] = {}
 CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
+
+# The nightly's RL steps per preset where no steps are given: the budget the calibration above was
+# measured at. Six seeds at half of the preset's 150 steps cost what three seeds at 150 did, and
+# detect a 0.05 shortfall where three at 150 do not (docs/pipeline.md, "Nightly convergence parity").
+NIGHTLY_STEPS: dict[str, int] = {"tiny": 75}
+NIGHTLY_SEEDS = (0, 1, 2, 3, 4, 5)
 
 
 def calibration_for(preset: str, steps: int, candidate: str, references: Sequence[str], metric: str) -> Calibration:
@@ -110,20 +118,25 @@ def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence
     return float(d.mean()), float(low), float(high)
 
 
-def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95,
-                   healthy_mean: float = 0.0) -> tuple[float, float, float, float, bool]:
+def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95, healthy_mean: float = 0.0,
+                   calibration_seeds: int | None = None) -> tuple[float, float, float, float, bool]:
     """``(mean, low, high, tolerance, passed)`` of the one-sided z-test of "no shortfall against
-    the healthy candidate": ``mean = (1/K) sum_s d_s``, ``h = z_c * sigma / sqrt(K)`` with ``z_c``
-    the standard normal's ``confidence`` quantile, ``[low, high] = mean -+ h``; **fail** iff
-    ``mean < mu_h - h`` (``tolerance = h - mu_h``, the largest shortfall that passes). For a
-    healthy candidate (``d ~ N(mu_h, sigma^2)``) a fail happens with probability ``1 - confidence``;
-    with a true shortfall ``delta`` with probability ``Phi(delta sqrt(K) / sigma - z_c)``."""
+    the healthy candidate": ``mean = (1/K) sum_s d_s``, ``h = z_c * sigma * sqrt(1/K + 1/N)`` with
+    ``z_c`` the standard normal's ``confidence`` quantile and ``N`` the seeds ``mu_h`` was measured
+    on (``calibration_seeds``; None: ``mu_h`` taken as exact, the ``1/N`` term dropped),
+    ``[low, high] = mean -+ h``; **fail** iff ``mean < mu_h - h`` (``tolerance = h - mu_h``, the
+    largest shortfall that passes). For a healthy candidate (``d ~ N(mu_h, sigma^2)``, ``mu_h``
+    itself the mean of ``N`` such seeds) a fail happens with probability ``1 - confidence``; with
+    a true shortfall ``delta`` with probability ``Phi(delta / (sigma sqrt(1/K + 1/N)) - z_c)``."""
     d = np.asarray(diffs, dtype=float)
     if d.size == 0:
         raise ValueError("no paired differences")
     if not noise_sd > 0 or not 0.5 < confidence < 1:
         raise ValueError(f"the shortfall rule needs noise_sd > 0 and confidence in (0.5, 1), got {noise_sd} and {confidence}")
-    h = NormalDist().inv_cdf(confidence) * noise_sd / np.sqrt(d.size)
+    if calibration_seeds is not None and calibration_seeds < 2:
+        raise ValueError(f"calibration_seeds must be >= 2 (the seeds healthy_mean and noise_sd were measured on), got {calibration_seeds}")
+    spread = np.sqrt(1 / d.size + (1 / calibration_seeds if calibration_seeds else 0.0))
+    h = NormalDist().inv_cdf(confidence) * noise_sd * spread
     mean = float(d.mean())
     return mean, mean - h, mean + h, float(h - healthy_mean), bool(mean >= healthy_mean - h)
 
@@ -149,6 +162,7 @@ def decide(
     rule: str = "noninferiority",
     noise_sd: float | None = None,
     healthy_mean: float = 0.0,
+    calibration_seeds: int | None = None,
 ) -> list[ParityResult]:
     """``noninferiority``: one :class:`ParityResult` per reference, over the seeds both arms ran;
     ``shortfall``: one against the pooled references, over the seeds every arm ran."""
@@ -164,9 +178,9 @@ def decide(
         if not seeds:
             raise ValueError(f"no seeds shared by {candidate!r} and every reference of {list(references)}")
         diffs = [values[candidate][s] - float(np.mean([values[ref][s] for ref in references])) for s in seeds]
-        mean, low, high, tolerance, passed = shortfall_test(diffs, noise_sd, confidence, healthy_mean)
+        mean, low, high, tolerance, passed = shortfall_test(diffs, noise_sd, confidence, healthy_mean, calibration_seeds)
         return [ParityResult(candidate, POOLED, metric, seeds, diffs, mean, low, high, tolerance, confidence, passed,
-                             rule, noise_sd, tuple(references), healthy_mean)]
+                             rule, noise_sd, tuple(references), healthy_mean, calibration_seeds)]
     if rule != "noninferiority":
         raise ValueError(f"unknown parity rule {rule!r}; valid: {RULES}")
     out = []
@@ -243,10 +257,11 @@ def decide_parity(
     rule: str = "noninferiority",
     noise_sd: float | None = None,
     healthy_mean: float = 0.0,
+    calibration_seeds: int | None = None,
 ) -> list[dict[str, Any]]:
     """The parity decision (per reference, or against the pooled references), as plain dicts."""
     return [asdict(r) for r in decide(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac, rule, noise_sd,
-                                      healthy_mean)]
+                                      healthy_mean, calibration_seeds)]
 
 
 @task(cache_policy=NO_CACHE)

@@ -130,6 +130,20 @@ def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, eas
     assert figures["verdict"] == "fail" and figures["loglinear_vs_recompute/pass"] is False
 
 
+def test_the_nightly_budget_applies_only_where_nothing_else_sets_the_steps(tmp_path):
+    """tiny as shipped: 6 seeds x 75 steps (the calibrated budget, docs/pipeline.md); given steps, a
+    config or an rl.steps override win; a preset without a budget keeps its own steps."""
+    from flows.nightly_parity import NightlySpec
+
+    spec = NightlySpec(preset="tiny")
+    assert (spec.seeds, spec.steps, spec.train_config().rl.steps) == ([0, 1, 2, 3, 4, 5], 75, 75)
+    assert NightlySpec(preset="tiny", steps=150).train_config().rl.steps == 150
+    assert NightlySpec(preset="tiny", overrides={"rl": {"steps": 40}}).train_config().rl.steps == 40
+    (tmp_path / "c.yaml").write_text("rl: {steps: 30}\n")
+    assert NightlySpec(preset="tiny", config=str(tmp_path / "c.yaml")).train_config().rl.steps == 30
+    assert NightlySpec(preset="micro").steps is None
+
+
 @pytest.mark.slow
 def test_nightly_parity_three_seeds_both_references(prefect_server, tmp_path, easy_dataset, warm_cache):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
