@@ -50,9 +50,9 @@ test-gpu: setup
 
 # The slow tests that start several processes, one of each kind, for CI (.ci/run): 2 DeepSpeed
 # ranks vs 1 process (ZeRO-2), a rank killed after a checkpoint and its resume, a trainer with a
-# rollout worker process, the same two with LoRA (one module's shared runs, ~2 min), two loopback
-# nodes training alike, then the comparison fanned out over two Prefect workers. The whole slow
-# tier (make test-slow) holds the rest.
+# rollout worker process, 2 ZeRO-2 ranks with a rollout worker, LoRA on 2 ZeRO-2 ranks and beside
+# a worker (one module's shared runs), then the comparison fanned out over two Prefect workers.
+# The whole slow tier (make test-slow) holds the rest.
 MULTIPROCESS_TESTS := \
 	tests/test_distributed.py::test_two_rank_zero2_matches_single_process \
 	'tests/test_distributed.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
