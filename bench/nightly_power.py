@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             for plant in plants:
                 collect(runs, args.preset, steps, plant_seeds, plant, args.config)
 
-    z = NormalDist().inv_cdf(1 - ALPHA)
+    from tasks.parity import shortfall_test
+
     figures: dict[str, object] = {"alpha": ALPHA, "budgets": {}}
     print(f"Noise of the per-seed paired differences (final smoothed reward, {CANDIDATE} - reference):\n")
     print("| steps | seeds | vs recompute mean / sd | vs sync mean / sd | vs pooled mean / sd | RL wall per run (s) |")
@@ -218,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     figures["power"] = power
     for steps, nz in noise.items():
         mu, sigma, n = calibrate(nz["d"])
-        # 0.05 caught with 80% power: 0.05 >= (z + z_0.8) sigma sqrt(1/K + 1/N); none if N seeds cannot allow it.
-        room = (0.05 / ((z + NormalDist().inv_cdf(0.8)) * sigma)) ** 2 - 1 / n
+        # 0.05 caught with 80% power: 0.05 >= (t + z_0.8) sigma sqrt(1/K + 1/N), t the rule's quantile
+        # (Student's, N - 1 degrees); none if N calibration seeds cannot allow it.
+        t = shortfall_test([0.0, 0.0], 1.0, 1 - ALPHA, 0.0, n)[3] / np.sqrt(1 / 2 + 1 / n)
+        room = (0.05 / ((t + NormalDist().inv_cdf(0.8)) * sigma)) ** 2 - 1 / n
         k_needed = int(np.ceil(1 / room)) if room > 0 else None
         figures["budgets"][str(steps)].update({"k_for_0.05_at_80pct": k_needed, "healthy_mean": round(mu, 4), "noise_sd": round(sigma, 4),
                                                "calibration_seeds": n})
         print(f"\nsteps {steps}: calibration of the shortfall rule: healthy_mean {mu:+.4f}, noise_sd {sigma:.4f} ({n} seeds); "
               f"K >= {k_needed} seed(s) detect 0.05 with 80% power at {ALPHA:.0%} false alarms; tolerance at K seeds: "
-              f"{-mu:+.4f} + {z:.3f} x {sigma:.4f} x sqrt(1/K + 1/{n})")
+              f"{-mu:+.4f} + {t:.3f} x {sigma:.4f} x sqrt(1/K + 1/{n})")
 
     planted = {}
     for steps, nz in noise.items():

@@ -27,10 +27,10 @@ noise averages, and one test instead of one per reference keeps the false alarms
 ``d_s = m(candidate, s) - mean_r m(r, s)``. A healthy candidate is not exactly its references:
 N recorded seeds give the healthy ``d``'s mean ``mu_h`` (e.g. loglinear a little behind sync)
 and its seed-to-seed standard deviation ``sigma``. **Fail** iff
-``mean(d) < mu_h - z_{confidence} * sigma * sqrt(1/K + 1/N)`` (tonight's K seeds against the N
-recorded ones, so the calibration's own error is in the threshold): false alarms at
-``1 - confidence`` for a healthy candidate; against a true shortfall ``delta`` the power is
-``Phi(delta / (sigma sqrt(1/K + 1/N)) - z_{confidence})``. ``mu_h`` and ``sigma`` hold for the setting
+``mean(d) < mu_h - t_{confidence, N-1} * sigma * sqrt(1/K + 1/N)`` (tonight's K seeds against
+the N recorded ones, Student's t for the estimated sigma: the calibration's own error is in the
+threshold): false alarms at ``1 - confidence`` for a healthy candidate; against a true shortfall
+``delta`` the power is about ``Phi(delta / (sigma sqrt(1/K + 1/N)) - t_{confidence, N-1})``. ``mu_h`` and ``sigma`` hold for the setting
 they were measured at (preset, steps, candidate, references, metric): :data:`CALIBRATIONS`.
 """
 
@@ -85,7 +85,10 @@ class Calibration:
 # Measured by bench.nightly_power (docs/results.md, "Nightly power"); the shortfall rule's
 # defaults where the nightly runs these settings: (preset, RL steps) with candidate loglinear,
 # references recompute and sync, metric final_reward (smooth_frac 0.25).
-CALIBRATIONS: dict[tuple[str, int], Calibration] = {}
+CALIBRATIONS: dict[tuple[str, int], Calibration] = {
+    ("tiny", 75): Calibration(healthy_mean=-0.0053, noise_sd=0.0177, seeds=10,
+                              command="python -m bench.nightly_power --steps 75 --seeds 0-9"),
+}
 CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
 
 # The nightly's RL steps per preset where no steps are given: the budget the calibration above was
@@ -120,23 +123,32 @@ def paired_bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, confidence
 
 def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 0.95, healthy_mean: float = 0.0,
                    calibration_seeds: int | None = None) -> tuple[float, float, float, float, bool]:
-    """``(mean, low, high, tolerance, passed)`` of the one-sided z-test of "no shortfall against
-    the healthy candidate": ``mean = (1/K) sum_s d_s``, ``h = z_c * sigma * sqrt(1/K + 1/N)`` with
-    ``z_c`` the standard normal's ``confidence`` quantile and ``N`` the seeds ``mu_h`` was measured
-    on (``calibration_seeds``; None: ``mu_h`` taken as exact, the ``1/N`` term dropped),
+    """``(mean, low, high, tolerance, passed)`` of the one-sided test of "no shortfall against the
+    healthy candidate": ``mean = (1/K) sum_s d_s``, ``h = q * sigma * sqrt(1/K + 1/N)``,
     ``[low, high] = mean -+ h``; **fail** iff ``mean < mu_h - h`` (``tolerance = h - mu_h``, the
-    largest shortfall that passes). For a healthy candidate (``d ~ N(mu_h, sigma^2)``, ``mu_h``
-    itself the mean of ``N`` such seeds) a fail happens with probability ``1 - confidence``; with
-    a true shortfall ``delta`` with probability ``Phi(delta / (sigma sqrt(1/K + 1/N)) - z_c)``."""
+    largest shortfall that passes). ``N`` is the number of seeds ``mu_h`` and ``sigma`` were
+    measured on (``calibration_seeds``) and ``q`` Student's t quantile at ``confidence`` with
+    ``N - 1`` degrees of freedom: under ``d ~ N(mu_h, sigma^2)`` the statistic
+    ``(mean - mu_h_hat) / (sigma_hat sqrt(1/K + 1/N))`` is t-distributed with ``N - 1`` degrees
+    (tonight's mean, the calibration's mean and its sd are independent), so a healthy candidate
+    fails with probability ``1 - confidence``, the calibration's own error included. With
+    ``calibration_seeds=None`` ``mu_h`` and ``sigma`` are taken as exact: ``q`` is the normal
+    quantile ``z`` and the ``1/N`` term is dropped. Against a true shortfall ``delta`` the power is
+    about ``Phi(delta / (sigma sqrt(1/K + 1/N)) - q)``."""
     d = np.asarray(diffs, dtype=float)
     if d.size == 0:
         raise ValueError("no paired differences")
     if not noise_sd > 0 or not 0.5 < confidence < 1:
         raise ValueError(f"the shortfall rule needs noise_sd > 0 and confidence in (0.5, 1), got {noise_sd} and {confidence}")
-    if calibration_seeds is not None and calibration_seeds < 2:
+    if calibration_seeds is None:
+        q, spread = NormalDist().inv_cdf(confidence), np.sqrt(1 / d.size)
+    elif calibration_seeds >= 2:
+        from scipy.stats import t as student_t
+
+        q, spread = float(student_t.ppf(confidence, calibration_seeds - 1)), np.sqrt(1 / d.size + 1 / calibration_seeds)
+    else:
         raise ValueError(f"calibration_seeds must be >= 2 (the seeds healthy_mean and noise_sd were measured on), got {calibration_seeds}")
-    spread = np.sqrt(1 / d.size + (1 / calibration_seeds if calibration_seeds else 0.0))
-    h = NormalDist().inv_cdf(confidence) * noise_sd * spread
+    h = q * noise_sd * spread
     mean = float(d.mean())
     return mean, mean - h, mean + h, float(h - healthy_mean), bool(mean >= healthy_mean - h)
 

@@ -205,7 +205,8 @@ def test_every_multi_process_cell_that_runs_trains_two_steps(cell, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     zero = None if cell.deepspeed_config is None else int(cell.trainer[-1])
-    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (cell.trainer_ranks, zero, cell.rollout_workers), run  # the trainers' world
+    # world_size is the trainer ranks' world; the workers are counted apart.
+    assert (run["world_size"], run["zero_stage"], run["rollout_workers"]) == (cell.trainer_ranks, zero, cell.rollout_workers), run
     rows = [json.loads(line) for line in (tmp_path / "out" / "loglinear-seed0" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "loss/policy" in r]
     assert [r["step"] for r in trained] == [1, 2] and all(math.isfinite(r["loss/policy"]) for r in trained)
