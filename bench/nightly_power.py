@@ -17,10 +17,11 @@ measures it. It runs (or reuses) ``a3po train`` per steps x arm x seed under ``-
 3. the cost: the measured RL wall per run and the nightly's wall for K seeds;
 4. the planted regressions' own shortfall and verdicts, where recorded.
 
-Rules (:data:`tasks.parity.PARITY_RULES`): ``noninferiority`` (the paired bootstrap against each
-reference with a tolerance, the nightly's original rule) and ``shortfall`` (a one-sided z-test of
-the mean difference against the pooled reference with the noise standard deviation measured here:
-fail iff ``mean(d) < -z_{1-alpha} sigma / sqrt(K)``).
+Rules (:data:`tasks.parity.RULES`): ``noninferiority`` (the paired bootstrap against each
+reference with a tolerance, the nightly's original rule) and ``shortfall`` (a one-sided test of
+the mean difference to the pooled reference against the healthy candidate's, with the mean and
+standard deviation measured here on N seeds: fail iff
+``mean(d) < mu_h - t_{1-alpha, N-1} sigma sqrt(1/K + 1/N)``).
 
     python -m bench.nightly_power --runs-dir runs/power --seeds 0-9 --steps 150,75            # run what is missing, report
     python -m bench.nightly_power --runs-dir runs/power --seeds 0-5 --steps 150 --plants lr_half,biased_advantage

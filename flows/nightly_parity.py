@@ -10,8 +10,8 @@ per-seed differences (candidate - reference) of the final smoothed training rewa
 held-out accuracy), by one of the rules of :mod:`tasks.parity`. ``auto`` (the default) takes the
 shortfall rule where the setting has a recorded calibration (the tiny preset at its nightly
 budget: K = 6 seeds at 75 RL steps): the mean difference to the references' mean must not fall
-below the healthy candidate's by more than ``z sigma / sqrt(K)``, sigma the seed noise measured by
-``bench.nightly_power``. Elsewhere it takes the noninferiority rule: per reference, the paired
+below the healthy candidate's by more than ``t sigma sqrt(1/K + 1/N)``, sigma the seed noise
+measured on N seeds by ``bench.nightly_power``. Elsewhere it takes the noninferiority rule: per reference, the paired
 bootstrap CI of the mean difference must have its lower bound above ``-tolerance``. The MLflow
 parent run is tagged ``parity=pass|fail`` and carries ``parity/...`` metrics and a report (its
 first line names the rule and calibration); the report also lists earlier nightly runs found in

@@ -62,7 +62,7 @@ class ParityResult:
     mean_diff: float
     ci_low: float
     ci_high: float
-    tolerance: float  # largest acceptable shortfall; the shortfall rule's is z * sigma / sqrt(K)
+    tolerance: float  # largest acceptable shortfall; the shortfall rule's is t * sigma * sqrt(1/K + 1/N) - mu_h
     confidence: float
     passed: bool
     rule: str = "noninferiority"
