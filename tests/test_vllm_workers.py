@@ -85,11 +85,12 @@ def _env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}
 
 
-def _launch(model: Path, out: Path, nproc: int, deepspeed: Path | None = None) -> tuple[dict, list[dict]]:
+def _launch(model: Path, out: Path, nproc: int, deepspeed: Path | None = None, lora: bool = False) -> tuple[dict, list[dict]]:
     ds = f", deepspeed_config: {deepspeed}" if deepspeed else ""
+    adapters = ", lora: {r: 4, alpha: 8}" if lora else ""
     config = out.parent / f"{out.name}.yaml"
     config.write_text(
-        f"model: {{name: {model}}}\n"
+        f"model: {{name: {model}{adapters}}}\n"
         "warm_start: {steps: 150, batch_size: 32}\n"
         "rollout: {engine: vllm}\n"
         f"rl: {{steps: {STEPS}, batch_prompts: 8, group_size: 4, minibatches: 2, max_new_tokens: 12, lr: 1.0e-3,\n"
@@ -137,6 +138,21 @@ def test_two_zero_trainer_ranks_beside_a_vllm_rollout_worker(micro_h32, tmp_path
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed (the distributed extra)")
     result, rows = _launch(micro_h32, tmp_path / "run", nproc=3, deepspeed=deepspeed_json(REPO_ROOT, tmp_path, 2))
+    assert (result["world_size"], result["zero_stage"]) == (2, 2)
+    _assert_worker_batches_match_the_trainer(result, rows)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S)
+def test_lora_adapter_versions_reach_a_vllm_worker_beside_zero_ranks(micro_h32, tmp_path):
+    """2 ZeRO-2 ranks train the adapters alone; the worker merges each pushed adapter version into
+    its base and loads vLLM with it: its samples' log-probs are the adapted policy's."""
+    _needs_vllm()
+    from a3po.config.preflight import deepspeed_available
+
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed (the distributed extra)")
+    result, rows = _launch(micro_h32, tmp_path / "run", nproc=3, deepspeed=deepspeed_json(REPO_ROOT, tmp_path, 2), lora=True)
     assert (result["world_size"], result["zero_stage"]) == (2, 2)
     _assert_worker_batches_match_the_trainer(result, rows)
 
