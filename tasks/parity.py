@@ -92,8 +92,9 @@ CALIBRATIONS: dict[tuple[str, int], Calibration] = {
 CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
 
 # The nightly's RL steps per preset where no steps are given: the budget the calibration above was
-# measured at. Six seeds at half of the preset's 150 steps cost what three seeds at 150 did, and
-# detect a 0.05 shortfall where three at 150 do not (docs/pipeline.md, "Nightly convergence parity").
+# measured at. Six seeds at half of the preset's 150 steps cost what three seeds at 150 did, and the
+# threshold shrinks as sqrt(1/K + 1/N): for the same RL steps, more seeds catch smaller shortfalls
+# (docs/pipeline.md, "Nightly convergence parity").
 NIGHTLY_STEPS: dict[str, int] = {"tiny": 75}
 NIGHTLY_SEEDS = (0, 1, 2, 3, 4, 5)
 

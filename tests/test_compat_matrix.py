@@ -103,6 +103,18 @@ def _param(cell: Cell):
     return pytest.param(cell, marks=marks, id=f"{cell.engine}-{cell.oppo}-{cell.critic}")
 
 
+def _micro_h32(tmp_path) -> str:
+    """The micro preset's sizes with one head of 32, saved as a model folder: vLLM's CPU attention
+    has no kernel for micro's head size 16."""
+    from a3po.data.arithmetic import WORDS
+    from a3po.models.factory import TinyArch, build_tiny_model
+
+    model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
+    model.save_pretrained(tmp_path / "micro-h32")
+    tok.save_pretrained(tmp_path / "micro-h32")
+    return str(tmp_path / "micro-h32")
+
+
 @pytest.fixture(scope="module")
 def micro_warmstart(tmp_path_factory):
     import torch
@@ -126,15 +138,9 @@ def test_every_one_process_cell_that_runs_trains_two_steps(cell, micro_warmstart
     cfg = with_overrides(cell.config(), rl={"steps": 2})
     ws_dir, ws_acc = micro_warmstart
     if cell.engine == "vllm" and not torch.cuda.is_available():
-        # vLLM's CPU attention has no kernel for micro's head size 16: the same sizes with one head of 32.
-        from a3po.data.arithmetic import WORDS
-        from a3po.models.factory import TinyArch, build_tiny_model
         from a3po.training.run import prepare_warmstart
 
-        model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
-        model.save_pretrained(tmp_path / "micro-h32")
-        tok.save_pretrained(tmp_path / "micro-h32")
-        cfg = with_overrides(cfg, model={"name": str(tmp_path / "micro-h32")})
+        cfg = with_overrides(cfg, model={"name": _micro_h32(tmp_path)})
         ws_dir, ws_acc = prepare_warmstart(cfg, tmp_path / "cache", log=lambda s: None)
     result = train_variant(cfg, tmp_path / "run", ws_dir, ws_acc, logger=JsonlLogger(tmp_path / "m.jsonl"))
     rows = read_metrics_jsonl(tmp_path / "m.jsonl")
@@ -187,14 +193,7 @@ def test_every_multi_process_cell_that_runs_trains_two_steps(cell, tmp_path):
     sections = cell.overrides()
     sections["rl"]["steps"] = 2
     if cell.engine == "vllm" and not torch.cuda.is_available():
-        # vLLM's CPU attention has no kernel for micro's head size 16: the same sizes with one head of 32.
-        from a3po.data.arithmetic import WORDS
-        from a3po.models.factory import TinyArch, build_tiny_model
-
-        model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
-        model.save_pretrained(tmp_path / "micro-h32")
-        tok.save_pretrained(tmp_path / "micro-h32")
-        sections["model"] = {"name": str(tmp_path / "micro-h32")}
+        sections["model"] = {"name": _micro_h32(tmp_path)}
     config = tmp_path / "cell.yaml"
     config.write_text(yaml.safe_dump(sections))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}

@@ -145,7 +145,7 @@ def test_parity_rule_passes_noise_and_fails_a_regression():
     assert not res.passed and res.ci_low < -0.1
 
 
-def test_shortfall_rule_pools_the_references_and_fails_below_z_sigma_over_root_k():
+def test_shortfall_rule_pools_the_references_and_fails_below_the_calibrated_threshold():
     # sigma 0.04, K 4, 95%: threshold = 1.6448536 * 0.04 / 2 = 0.0328971.
     refs = [_rec("recompute", s, r) for s, r in enumerate((0.41, 0.40, 0.40, 0.40))] + \
            [_rec("sync", s, r) for s, r in enumerate((0.39, 0.40, 0.42, 0.38))]  # per-seed mean 0.40, 0.40, 0.41, 0.39
