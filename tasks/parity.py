@@ -95,7 +95,7 @@ CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
 
 # The nightly's RL steps per preset where no steps are given: the budget the calibration above was
 # measured at. Six seeds at half of the preset's 150 steps cost what three seeds at 150 did, and
-# catch a 0.05 shortfall with >= 97% power where three at 150 reach 56-70%: the seed noise of
+# catch a 0.05 shortfall with >= 97% power where three at 150 reach 53-70%: the seed noise of
 # the final reward at 75 steps is about half of that at 150 (docs/results.md, "Nightly power").
 NIGHTLY_STEPS: dict[str, int] = {"tiny": 75}
 NIGHTLY_SEEDS = (0, 1, 2, 3, 4, 5)
