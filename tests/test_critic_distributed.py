@@ -27,20 +27,18 @@ at step 2 (-0.0238 vs -0.0244); without the world-size factor the gradient norm 
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from a3po.config.preflight import deepspeed_available
-from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, killed_at_step, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
+from tests.support.cli_runs import share_warmstart as _share_warmstart
 from tests.support.cli_runs import step_metrics as _metrics
+from tests.support.cli_runs import train_command as _command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -65,18 +63,6 @@ def _config(tmp: Path, zero_stage: int | None, workers: int = 0) -> Path:
         f"distributed: {{{ds}rollout_workers: {workers}}}\n"
     )
     return path
-
-
-def _command(config: Path, out: Path, nproc: int | None) -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
-            "--output-dir", str(out), "--no-progress", "--variant", "loglinear"]
-
-
-def _share_warmstart(src: Path, out: Path) -> None:
-    (out / "cache").mkdir(parents=True, exist_ok=True)
-    for d in (src / "cache").iterdir():
-        (out / "cache" / d.name).symlink_to(d.resolve(), target_is_directory=True)
 
 
 def _train(tmp: Path, name: str, zero_stage: int | None, nproc: int | None = None, workers: int = 0) -> dict:
@@ -164,19 +150,9 @@ def test_killed_zero2_rank_with_the_critic_resumes_exactly(runs):
     out = tmp / "zero2-killed"
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 2)
-    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    try:
-        kill_rank_after_first_checkpoint(proc, latest)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode != 0, "the killed run reported success"
-    killed_at = json.loads(latest.read_text())["step"]
-    assert killed_at < STEPS, f"the run finished (step {killed_at}) before rank 1 was killed"
+    proc, _, _ = run_and_kill(_command(config, out, 2), REPO_ROOT, _env(), latest)
+    killed_at = killed_at_step(proc, latest, STEPS)
     resumed = run_to_json(_command(config, out, 2), REPO_ROOT, _env())
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
     uninterrupted = _run(runs, 2)

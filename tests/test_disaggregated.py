@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -28,9 +26,11 @@ import torch
 
 from a3po.config.preflight import deepspeed_available
 from a3po.placement.rollout_workers import pack_state, state_layout, unpack_state
-from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import assert_equal_runs, assert_same_trajectory, deepspeed_json, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
+from tests.support.cli_runs import share_warmstart as _share_warmstart
 from tests.support.cli_runs import step_metrics as _metrics
+from tests.support.cli_runs import train_command as _command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -54,31 +54,8 @@ def _config(tmp: Path, workers: int, schedule: str = "deterministic", max_stalen
     return path
 
 
-def _command(config: Path, out: Path, nproc: int | None) -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
-            "--output-dir", str(out), "--no-progress", "--variant", "loglinear"]
-
-
-def _share_warmstart(src: Path, out: Path) -> None:
-    """Point ``out``'s warm-start cache at ``src``'s: the same weights (same key), trained once."""
-    (out / "cache").mkdir(parents=True, exist_ok=True)
-    for d in (src / "cache").iterdir():
-        (out / "cache" / d.name).symlink_to(d.resolve(), target_is_directory=True)
-
-
 def _train(config: Path, out: Path, nproc: int | None = None) -> dict:
     return run_to_json(_command(config, out, nproc), REPO_ROOT, _env())
-
-
-def _assert_same_run(a: dict, b: dict) -> None:
-    ma, mb = _metrics(a), _metrics(b)
-    assert sorted(ma) == list(range(1, STEPS + 1)), sorted(ma)
-    losses = [ma[s]["loss/policy"] for s in ma]
-    assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
-    assert ma == mb  # exactly: module docstring
-    wa, wb = _final_weights(a), _final_weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +73,7 @@ def test_trainer_plus_rollout_worker_equals_the_single_process_run(runs):
     single, two = runs["single"], runs["two"]
     assert (single["world_size"], single["rollout_workers"]) == (1, 0)
     assert (two["world_size"], two["rollout_workers"]) == (1, 1)
-    _assert_same_run(single, two)
+    assert_equal_runs(single, two, STEPS)  # exactly: module docstring
     # The deterministic schedule's staleness, as the single-process tests pin it (s = 2).
     assert [_metrics(two)[s]["staleness/max"] for s in range(1, STEPS + 1)] == [0.0, 1.0] + [2.0] * (STEPS - 2)
 
@@ -111,7 +88,7 @@ def test_killed_rollout_worker_fails_the_run_and_the_rerun_resumes_exactly(runs)
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 1)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    proc, output, _ = _run_and_kill(_command(config, out, 2), latest, rank=1)
+    proc, output, _ = run_and_kill(_command(config, out, 2), REPO_ROOT, _env(), latest, rank=1)
     assert proc.returncode != 0, "the killed run reported success"
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < STEPS, f"the run finished (step {killed_at}) before the worker was killed"
@@ -120,7 +97,7 @@ def test_killed_rollout_worker_fails_the_run_and_the_rerun_resumes_exactly(runs)
 
     resumed = _train(config, out, nproc=2)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    _assert_same_run(runs["two"], resumed)
+    assert_equal_runs(runs["two"], resumed, STEPS)  # exactly: module docstring
 
 
 @pytest.mark.slow
@@ -148,25 +125,6 @@ def test_staleness_bound_holds_across_processes_in_the_free_running_schedule(run
 # metric stability/trust_ratio_max 7.6e-6 abs on 2.45 (3.1e-6 relative), loss 6.1e-8 abs; ZeRO-3
 # (every parameter partitioned) weights 3.4e-7, worst policy/approx_kl 2.2e-6 relative, loss 2.2e-8 abs.
 RTOL, ATOL, WEIGHTS_ATOL = 1e-4, 1e-6, 1e-5
-
-
-def _run_and_kill(command: list[str], latest: Path, rank: int) -> tuple[subprocess.Popen, str, list]:
-    """Launch ``command``, SIGKILL ``rank`` once the first checkpoint exists, wait for the launch to
-    stop; ``(process, its output, the launch's processes as they were after the kill)``."""
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        kill_rank_after_first_checkpoint(proc, latest, rank=rank)
-        try:
-            launch = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:  # the launcher already stopped everything
-            launch = []
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc, output, launch
 
 
 def _deepspeed_json(tmp: Path, zero_stage: int) -> Path:
@@ -209,7 +167,7 @@ def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, zero_stage))
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    proc, output, launch = _run_and_kill(_command(config, out, 3), latest, rank=2)
+    proc, output, launch = run_and_kill(_command(config, out, 3), REPO_ROOT, _env(), latest, rank=2)
     assert proc.returncode != 0, "the killed run reported success"
     assert "rank      : 2" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
     left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -221,7 +179,7 @@ def test_killed_rollout_worker_beside_zero_ranks_stops_the_launch_and_the_rerun_
 
     resumed = _train(config, out, nproc=3)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    _assert_same_run(_zero_run(runs, zero_stage), resumed)
+    assert_equal_runs(_zero_run(runs, zero_stage), resumed, STEPS)  # exactly: module docstring
 
 
 @pytest.mark.slow
@@ -234,7 +192,7 @@ def test_killed_trainer_rank_beside_a_rollout_worker_stops_the_launch_and_the_re
     _share_warmstart(tmp / "single", out)
     config = _config(tmp, 1, deepspeed_json=_deepspeed_json(tmp, 2))
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    proc, output, launch = _run_and_kill(_command(config, out, 3), latest, rank=1)
+    proc, output, launch = run_and_kill(_command(config, out, 3), REPO_ROOT, _env(), latest, rank=1)
     assert proc.returncode != 0, "the killed run reported success"
     assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
     left = [p for p in launch if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -244,7 +202,7 @@ def test_killed_trainer_rank_beside_a_rollout_worker_stops_the_launch_and_the_re
 
     resumed = _train(config, out, nproc=3)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
-    _assert_same_run(_zero_run(runs, 2), resumed)
+    assert_equal_runs(_zero_run(runs, 2), resumed, STEPS)  # exactly: module docstring
 
 
 # --- fast -------------------------------------------------------------------------------------

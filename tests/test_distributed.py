@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,9 +42,10 @@ import pytest
 import torch
 
 from a3po.config.preflight import deepspeed_available
-from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, killed_at_step, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
 from tests.support.cli_runs import step_metrics as _metrics
+from tests.support.cli_runs import train_command as _command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
@@ -80,12 +80,6 @@ def _config(tmp: Path, zero_stage: int | None, steps: int = STEPS) -> Path:
         "     lr_warmup_steps: 0, eval_every: 4, checkpoint_every: 2}\n" + ds
     )
     return path
-
-
-def _command(config: Path, out: Path, nproc: int | None, variant: str = "loglinear") -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
-            "--output-dir", str(out), "--no-progress", "--variant", variant]
 
 
 def _train(config: Path, out: Path, nproc: int | None = None, variant: str = "loglinear") -> dict:
@@ -158,19 +152,9 @@ def test_two_rank_run_killed_after_a_checkpoint_resumes_exactly(runs, zero_stage
 
     tmp, out = runs["tmp"], runs["tmp"] / f"killed-zero{zero_stage}"
     config = _config(tmp, zero_stage)
-    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    try:
-        kill_rank_after_first_checkpoint(proc, latest)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode != 0, "the killed run reported success"
-    killed_at = json.loads(latest.read_text())["step"]
-    assert killed_at < STEPS, f"the run finished (step {killed_at}) before rank 1 was killed"
+    proc, _, _ = run_and_kill(_command(config, out, 2), REPO_ROOT, _env(), latest)
+    killed_at = killed_at_step(proc, latest, STEPS)
     # The checkpoint holds no DeepSpeed pickle: it loads through the safe loader (hashes checked,
     # tensors with weights_only=True), and carries both ranks' optimizer partitions.
     state = load_checkpoint(latest_checkpoint(latest.parent))

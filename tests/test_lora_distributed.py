@@ -28,11 +28,7 @@ read the whole base kept before ZeRO-3 partitions the module.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,9 +47,11 @@ from a3po.placement.rollout_workers import pack_state, state_layout, unpack_stat
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import SamplingParams
 from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
-from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, kill_rank_after_first_checkpoint, run_to_json
+from tests.support.cli_runs import assert_same_trajectory, deepspeed_json, killed_at_step, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
+from tests.support.cli_runs import share_warmstart as _share_warmstart
 from tests.support.cli_runs import step_metrics as _metrics
+from tests.support.cli_runs import train_command as _command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -80,19 +78,6 @@ def _config(tmp: Path, name: str, distributed: str = "") -> Path:
         + (f"distributed: {{{distributed}}}\n" if distributed else "")
     )
     return path
-
-
-def _command(config: Path, out: Path, nproc: int | None) -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
-            "--output-dir", str(out), "--no-progress", "--variant", "loglinear"]
-
-
-def _share_warmstart(src: Path, out: Path) -> None:
-    """Point ``out``'s warm-start cache at ``src``'s: the same weights (same key), trained once."""
-    (out / "cache").mkdir(parents=True, exist_ok=True)
-    for d in (src / "cache").iterdir():
-        (out / "cache" / d.name).symlink_to(d.resolve(), target_is_directory=True)
 
 
 def _train(config: Path, out: Path, nproc: int | None = None) -> dict:
@@ -218,19 +203,9 @@ def test_two_zero_lora_ranks_killed_after_a_checkpoint_resume_exactly(runs, zero
     config = runs[f"zero{zero_stage}_config"]
     tmp, out = runs["tmp"], runs["tmp"] / f"killed-zero{zero_stage}"
     _share_warmstart(tmp / "single", out)
-    proc = subprocess.Popen(_command(config, out, 2), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    try:
-        kill_rank_after_first_checkpoint(proc, latest)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode != 0, "the killed run reported success"
-    killed_at = json.loads(latest.read_text())["step"]
-    assert killed_at < STEPS, f"the run finished (step {killed_at}) before rank 1 was killed"
+    proc, _, _ = run_and_kill(_command(config, out, 2), REPO_ROOT, _env(), latest)
+    killed_at = killed_at_step(proc, latest, STEPS)
     resumed = _train(config, out, nproc=2)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at < STEPS
     assert _metrics(resumed) == _metrics(uninterrupted)

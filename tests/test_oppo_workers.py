@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +31,9 @@ from a3po.producer.producer import Admission, PromptSampler, ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutBatch, RolloutEngine, SamplingParams
 from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint
-from tests.support.cli_runs import final_weights, kill_rank_after_first_checkpoint, run_to_json, step_metrics
+from tests.support.cli_runs import assert_equal_runs, final_weights, killed_at_step, run_and_kill, run_to_json, step_metrics
+from tests.support.cli_runs import share_warmstart as _share_warmstart
+from tests.support.cli_runs import train_command as _command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,30 +201,8 @@ def _intra_config(tmp: Path, workers: int, intra: bool) -> Path:
     return _ppo_config(tmp, f"intra{int(intra)}", workers, f"intra: {str(intra).lower()}", max_staleness=0)
 
 
-def _command(config: Path, out: Path, nproc: int | None, variant: str = "loglinear") -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
-            "--output-dir", str(out), "--no-progress", "--variant", variant]
-
-
-def _share_warmstart(src: Path, out: Path) -> None:
-    (out / "cache").mkdir(parents=True, exist_ok=True)
-    for d in (src / "cache").iterdir():
-        (out / "cache" / d.name).symlink_to(d.resolve(), target_is_directory=True)
-
-
 def _train(config: Path, out: Path, nproc: int | None = None, variant: str = "loglinear") -> dict:
     return run_to_json(_command(config, out, nproc, variant), REPO_ROOT, _env())
-
-
-def _assert_same_run(a: dict, b: dict) -> None:
-    ma, mb = step_metrics(a), step_metrics(b)
-    assert sorted(ma) == list(range(1, STEPS_RUN + 1)), sorted(ma)
-    losses = [ma[s]["loss/policy"] for s in ma]
-    assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
-    assert ma == mb  # exactly: module docstring
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -241,26 +218,15 @@ def inter_runs(tmp_path_factory):
 def test_trainer_plus_worker_with_oppo_inter_equals_the_one_process_oppo_inter_run(inter_runs):
     single, two = inter_runs["single"], inter_runs["two"]
     assert (two["world_size"], two["rollout_workers"]) == (1, 1)
-    _assert_same_run(single, two)
+    assert_equal_runs(single, two, STEPS_RUN)  # exactly: module docstring
     carried = [m["oppo/carried"] for m in step_metrics(two).values()]
     assert max(carried) > 0, f"precondition: nothing was carried over, the buffer was not exercised: {carried}"
 
 
 def _kill_after_first_checkpoint(command: list[str], latest: Path, rank: int) -> int:
     """Run ``command``, SIGKILL ``rank`` once a checkpoint exists; the step of the checkpoint left."""
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        kill_rank_after_first_checkpoint(proc, latest, rank=rank)
-        proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode != 0, "the killed run reported success"
-    killed_at = json.loads(latest.read_text())["step"]
-    assert killed_at < STEPS_RUN, f"the run finished (step {killed_at}) before the worker was killed"
-    return killed_at
+    proc, _, _ = run_and_kill(command, REPO_ROOT, _env(), latest, rank=rank)
+    return killed_at_step(proc, latest, STEPS_RUN)
 
 
 def _carried(latest: Path, workers: int) -> int:
@@ -292,7 +258,7 @@ def test_killed_oppo_inter_worker_reruns_to_the_uninterrupted_end(inter_runs, wo
     assert _carried(latest, workers) > 0, "precondition: the checkpoint holds no carried answer"
     resumed = _train(config, out, nproc=1 + workers)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at
-    _assert_same_run(uninterrupted, resumed)
+    assert_equal_runs(uninterrupted, resumed, STEPS_RUN)  # exactly: module docstring
 
 
 BUSY = "oppo/scorer_busy_s/"  # scorer wall time: the one figure two equal runs may disagree on

@@ -5,11 +5,29 @@ line, per-step metrics, final weights, the lines a flow run logged, the processe
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 # Wall-clock metrics: the only ones two runs of the same computation may disagree on.
 TIMING = ("perf/", "time/", "prox/time_s")
+
+
+def train_command(config: Path, out: Path, nproc: int | None = None, variant: str = "loglinear") -> list[str]:
+    """``a3po train`` on the micro preset with ``config`` laid over it; under torchrun with
+    ``nproc`` processes when given."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
+    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
+            "--output-dir", str(out), "--no-progress", "--variant", variant]
+
+
+def share_warmstart(src: Path, out: Path) -> None:
+    """Point ``out``'s warm-start cache at ``src``'s: the same weights (same key), trained once."""
+    (out / "cache").mkdir(parents=True, exist_ok=True)
+    for d in (src / "cache").iterdir():
+        (out / "cache" / d.name).symlink_to(d.resolve(), target_is_directory=True)
 
 
 def run_to_json(command: list[str], cwd: Path, env: dict[str, str], timeout: float = 900) -> dict:
@@ -40,10 +58,40 @@ def final_weights(run: dict) -> dict:
     return load_file(Path(run["run_dir"]) / "final" / "model.safetensors")
 
 
+def run_and_kill(command: list[str], cwd: Path, env: dict[str, str], latest: Path, rank: int = 1,
+                 timeout: float = 300) -> tuple[subprocess.Popen, str, list]:
+    """Launch ``command`` in its own session, SIGKILL global rank ``rank`` once the first
+    checkpoint (``latest``) exists, wait for the launch to stop (whatever is left of it is killed
+    on the way out); ``(process, its output, the launch's processes as they were after the kill)``."""
+    import psutil
+
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        kill_rank_after_first_checkpoint(proc, latest, rank=rank)
+        try:
+            launch = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:  # the launcher already stopped everything
+            launch = []
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc, output, launch
+
+
+def killed_at_step(proc: subprocess.Popen, latest: Path, steps: int) -> int:
+    """The step of the checkpoint a killed launch left; it must have failed before its last step."""
+    assert proc.returncode != 0, "the killed run reported success"
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < steps, f"the run finished (step {killed_at}) before the rank was killed"
+    return killed_at
+
+
 def kill_rank_after_first_checkpoint(proc, latest: Path, rank: int = 1, timeout: float = 600) -> None:
     """Wait until the launched run ``proc`` (a torchrun, started in its own session) writes its
     first checkpoint (``latest``), then SIGKILL the process of global rank ``rank``."""
-    import signal
     import time
 
     import psutil
@@ -79,6 +127,20 @@ def flow_logs(flow_run_id) -> list[str]:
             messages += [log.message for log in page]
             if len(page) < 200:
                 return messages
+
+
+def assert_equal_runs(a: dict, b: dict, steps: int) -> None:
+    """Two runs equal bit for bit: every per-step metric (timing aside) and the final weights.
+    Fails on a degenerate run (a loss of 0 at nearly every step compares nothing)."""
+    import torch
+
+    ma, mb = step_metrics(a), step_metrics(b)
+    assert sorted(ma) == list(range(1, steps + 1)), sorted(ma)
+    losses = [ma[s]["loss/policy"] for s in ma]
+    assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
+    assert ma == mb
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def assert_same_trajectory(a: dict, b: dict, steps: int, rtol: float, atol: float) -> None:
