@@ -46,13 +46,6 @@ INTRA_KL_COEF = 0.01
 # current limit of this code, said so) and what the user does instead. A check whose message
 # changes fails tests/test_compat_matrix.py until its review here follows.
 REVIEWS = {
-    "oppo.intra is supported with rollout.engine torch only":
-        "a library limit. Streaming needs a hook called after each decode step; vLLM's offline `LLM.generate` returns "
-        "finished sequences only. (With rollout workers and the torch engine the scorers run in each worker, "
-        "`a3po.oppo.intra`.)",
-    "rollout.engine 'vllm' with oppo.inter is not supported yet: use rollout.engine torch there":
-        "current limit. The carry-over resumes partial sequences token by token; vLLM's offline `LLM.generate` returns "
-        "finished sequences only.",
     "rollout.engine 'vllm' with distributed.deepspeed_config and no rollout workers: every trainer rank would start its "
     "own engine; run the engine in distributed.rollout_workers":
         "a design limit. Without workers each data-parallel rank generates the whole batch itself, so each would hold a "

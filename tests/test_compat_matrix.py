@@ -79,18 +79,21 @@ def test_cells_read_off_the_checks_by_hand():
                for o in ("off", "intra", "inter", "both"))
     # One trainer process and a worker: every OPPO x critic cell runs.
     assert all(results[Cell("torch", "workers", "one process", o, c)] is None for o in ("off", "intra", "inter", "both") for c in ("none", "gae"))
-    # Intra streams through the torch engine's per-token hook: vLLM is refused naming the fields.
-    assert results[Cell("vllm", "in_process", "one process", "intra", "none")] == "oppo.intra is supported with rollout.engine torch only"
+    # OPPO's overlaps run on vLLM too (its request-level loop: a3po.rollout.vllm_engine), in process and in the workers.
+    assert all(results[Cell("vllm", p, "one process", o, c)] is None for p in ("in_process", "workers")
+               for o in ("intra", "inter", "both") for c in ("none", "gae"))
     # Intra without a critic or a KL reference has nothing to score with: the cells' kl_coef is what makes them run.
     with pytest.raises(ValueError, match="oppo.intra needs scoring models"):
         with_overrides(preset("micro"), oppo={"intra": True})
     # vLLM: in one trainer process, or in the workers beside one trainer or ZeRO trainer ranks (the
-    # production topology); never in each of several trainer ranks; never with the carry-over.
+    # production topology); never in each of several trainer ranks.
     assert results[Cell("vllm", "in_process", "one process", "off", "gae")] is None
     assert "every trainer rank would start its own engine" in results[Cell("vllm", "in_process", "ZeRO-1", "off", "none")]
     assert all(results[Cell("vllm", "workers", t, "off", "none")] is None for t in ("one process", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
     assert results[Cell("vllm", "workers", "one process", "off", "gae")] is None
-    assert results[Cell("vllm", "in_process", "one process", "inter", "none")].startswith("rollout.engine 'vllm' with oppo.inter")
+    assert all(results[Cell("vllm", "workers", t, "both", "gae")] is None for t in ("ZeRO-1", "ZeRO-2", "ZeRO-3"))
+    assert all("every trainer rank would start its own engine" in results[Cell("vllm", "in_process", t, o, "gae")]
+               for t in ("ZeRO-2", "ZeRO-3") for o in ("inter", "both"))
 
 
 # --- slow: the one-process cells train -----------------------------------------------------------

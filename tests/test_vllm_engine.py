@@ -144,3 +144,65 @@ def test_a_batch_whose_prompts_exceed_the_default_token_budget_samples_seeded(se
     batch = engine.generate_batch(many, SamplingParams(8, temperature=1.0), seed=5)
     assert len(batch) == 192 and bool(batch.response_mask.any(dim=1).all())
     assert (batch.behav_logp - _trainer_logp(model, v0, batch, 1.0))[batch.response_mask].abs().max() < BEHAV_TOL_MAX
+
+
+# --- the request-level loop (OPPO: over-commitment, streamed scoring) ----------------------------
+
+
+def test_the_request_loop_samples_what_generate_batch_samples(setup):
+    # Same requests, same per-row seeds: stepping vLLM's engine here instead of LLM.generate changes nothing.
+    _, _, v0, _, prompts, engine = setup
+    engine.load_weights(v0, 0)
+    params = SamplingParams(NEW_TOKENS, temperature=1.0)
+    whole = engine.generate_batch(prompts, params, seed=21)
+    looped = engine.generate_until(prompts, params, 21, torch.full((N_PROMPTS,), NEW_TOKENS), lambda done: False)
+    assert torch.equal(looped.input_ids, whole.input_ids) and torch.equal(looped.behav_logp, whole.behav_logp)
+    assert torch.equal(looped.finished, whole.finished) and torch.equal(looped.response_mask, whole.response_mask)
+
+
+def test_an_early_stop_keeps_the_partial_answers_and_frees_the_engine(setup):
+    """Rows capped by their budgets, the batch stopped once 12 rows are done: the rows still running
+    come back unfinished with the tokens they had (each a prefix of what the uncapped, unstopped
+    request samples, seeded alike), their log-probs the trainer's, and no request is left behind."""
+    model, _, v0, _, prompts, engine = setup
+    engine.load_weights(v0, 0)
+    params = SamplingParams(NEW_TOKENS, temperature=1.0)
+    budget = torch.tensor([3 + i % 5 if i % 4 == 0 else NEW_TOKENS for i in range(N_PROMPTS)])
+    seen: list[int] = []
+
+    def stop(done: torch.Tensor) -> bool:
+        seen.append(int(done.sum()))
+        return int(done.sum()) >= 12
+
+    batch = engine.generate_until(prompts, params, 21, budget, stop)
+    full = engine.generate_until(prompts, params, 21, torch.full((N_PROMPTS,), NEW_TOKENS), lambda done: False)
+    lengths = batch.response_mask.sum(1)
+    assert seen == sorted(seen) and 12 <= seen[-1] < N_PROMPTS  # stopped early, at the first step with 12 done
+    assert bool((lengths <= budget).all()) and bool((lengths > 0).all())
+    assert int(((lengths == budget) & (budget < NEW_TOKENS)).sum()) >= 1  # some rows stopped at their own cap
+    running = ~batch.finished & (lengths < budget)
+    assert int(running.sum()) >= 1, "precondition: some rows were still decoding at the stop"
+    for i, (part, whole) in enumerate(zip(batch.responses, full.responses, strict=True)):
+        assert whole[: len(part)] == part, i
+    m = batch.response_mask
+    assert (batch.behav_logp - _trainer_logp(model, v0, batch, 1.0))[m].abs().max() < BEHAV_TOL_MAX
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    again = engine.generate_batch(prompts, params, seed=21)  # the aborted requests left nothing in the way
+    assert torch.equal(again.input_ids, full.input_ids)
+
+
+def test_streamed_columns_are_the_batch_column_by_column(setup):
+    # on_token gets each decode column once, in order, as the torch engine hands it to OPPO's scorers:
+    # the sampled token where the row decoded that column, padding (and alive False) where it had stopped.
+    _, tok, v0, _, prompts, engine = setup
+    engine.load_weights(v0, 0)
+    columns: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    batch = engine.generate_batch(prompts, SamplingParams(NEW_TOKENS, temperature=1.0), seed=22,
+                                  on_token=lambda t, tokens, alive: columns.append((t, tokens.clone(), alive.clone())))
+    p = batch.prompt_len
+    assert [t for t, _, _ in columns] == list(range(batch.input_ids.shape[1] - p))
+    for t, tokens, alive in columns:
+        assert torch.equal(alive, batch.response_mask[:, p + t])
+        assert torch.equal(tokens[alive], batch.input_ids[alive, p + t])
+        assert bool((tokens[~alive] == tok.pad_token_id).all())
+    assert bool((~batch.response_mask[:, p:]).any()), "precondition: some rows ended before the longest"

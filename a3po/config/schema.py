@@ -616,17 +616,10 @@ class TrainConfig:
             # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
             raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
                              "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
-        if self.rollout.engine != "torch" and self.oppo.inter:
-            # Carry-over resumes partial sequences token by token; the vLLM engine returns finished sequences only.
-            raise ValueError(f"rollout.engine {self.rollout.engine!r} with oppo.inter is not supported yet: "
-                             "use rollout.engine torch there")
         if self.oppo.intra:
             if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
                 raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
                                  "or ppo.reward: model): the PPO path; the GRPO path has none")
-            if self.rollout.engine != "torch":
-                # Streaming needs the torch engine's per-token hook (in the trainer or a rollout worker, a3po.oppo.intra).
-                raise ValueError("oppo.intra is supported with rollout.engine torch only")
         if self.rl.rollout_correction != "none" and self.oppo.inter:
             # Carried tokens keep only their version numbers, and the overlap producer re-scores nothing.
             raise ValueError("rl.rollout_correction with oppo.inter is not supported yet: the trainer's log-probs of a carried "

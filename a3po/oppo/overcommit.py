@@ -44,7 +44,6 @@ from typing import Callable
 
 import torch
 
-from a3po.devices import model_device, sampling_generator
 from a3po.producer.producer import RolloutProducer, ScoredBatch, batch_seed
 from a3po.rollout.torch_engine import RolloutBatch
 
@@ -273,17 +272,18 @@ class OverlapProducer(RolloutProducer):
         rows = self.buffer.active()
         stream_metrics: dict[str, float] = {}
         if rows and len(self.buffer.complete()) < self.b:
-            gen = sampling_generator(model_device(self.engine.model), batch_seed(self.seed, j))
             budget = torch.tensor([self.params.max_new_tokens - len(s.tokens) for s in rows])
             resumed = [s.prompt + s.tokens for s in rows]
             # Intra: the scorers prefill prompt + partial answer, as the engine does (see a3po.oppo.intra).
             scored_on = self.engine.version  # the critic version the scorers read
             stream = {"on_token": self.stream.begin(resumed, scored_on)} if self.stream is not None else {}
-            rollout = self.engine.generate(
-                resumed, self.params, generator=gen, between_steps=self._between_steps(j),
-                row_budget=budget, stop_early=self._stop_when_b_complete(rows), **stream,
+            rollout = self.engine.generate_until(
+                resumed, self.params, batch_seed(self.seed, j), row_budget=budget, stop_early=self._stop_when_b_complete(rows),
+                between_steps=self._between_steps(j) if self.mid_batch_updates else None, **stream,
             )
             streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
+            if self.check is not None:  # e.g. the engine's log-prob error, on the tokens decoded here (earlier ones were checked when decoded)
+                stream_metrics.update({k: v for k, v in self.check(rollout).items() if not isinstance(v, torch.Tensor)})
             p = rollout.prompt_len
             n_new = 0
             for i, s in enumerate(rows):
@@ -300,7 +300,7 @@ class OverlapProducer(RolloutProducer):
             if self.stream is not None:  # the chunk tuner's cost: producing time per generated token
                 self.stream.record(time.perf_counter() - t0, n_new, n_new / len(rows))
         taken = self.buffer.take(self.b)
-        batch = pack_rollout(taken, self.engine.pad_token_id, model_device(self.engine.model))
+        batch = pack_rollout(taken, self.engine.pad_token_id, self.engine.device)
         streamed_batch = pack_streamed(taken, batch) if self.stream is not None else {}
         carried = self.buffer.active() + [s for g in self.buffer.groups.values() for s in g if s.done]
         metrics = {

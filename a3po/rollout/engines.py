@@ -30,7 +30,7 @@ from a3po.config import TrainConfig
 from a3po.registry import Registry
 
 if TYPE_CHECKING:
-    from a3po.rollout.torch_engine import BetweenSteps, RolloutBatch, SamplingParams
+    from a3po.rollout.torch_engine import BetweenSteps, OnToken, RolloutBatch, SamplingParams
 
 
 class Engine(Protocol):
@@ -48,7 +48,28 @@ class Engine(Protocol):
         meta: list[dict] | None = None,
     ) -> RolloutBatch: ...
 
+    def generate_until(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        row_budget: torch.Tensor,
+        stop_early: Callable[[torch.Tensor], bool],
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> RolloutBatch:
+        """OPPO's over-committed decoding: row ``i`` stops at ``row_budget[i]`` new tokens, and the
+        whole batch as soon as ``stop_early(done)`` (the ``(n,)`` mask of rows done) is true after
+        a decode step; unfinished rows come back with their tokens so far (``finished`` False).
+        ``on_token(t, tokens, alive)``: each decode step's column, for OPPO's streamed scoring."""
+        ...
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the batches it returns live (the trainer's device)."""
+        ...
 
     def close(self) -> None: ...
 

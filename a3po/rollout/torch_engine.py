@@ -112,6 +112,28 @@ class RolloutEngine:
         gen = sampling_generator(model_device(self.model), seed)
         return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta, on_token=on_token)
 
+    def generate_until(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        row_budget: torch.Tensor,
+        stop_early: Callable[[torch.Tensor], bool],
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> RolloutBatch:
+        """OPPO's over-committed decoding (:mod:`a3po.oppo.overcommit`): :meth:`generate` seeded as
+        :meth:`generate_batch` is, row ``i`` capped at ``row_budget[i]`` new tokens, stopped when
+        ``stop_early(done)`` says so; unfinished rows come back with their tokens so far."""
+        gen = sampling_generator(model_device(self.model), seed)
+        return self.generate(prompts, params, generator=gen, between_steps=between_steps, on_token=on_token,
+                             row_budget=row_budget, stop_early=stop_early)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the batches it returns live."""
+        return model_device(self.model)
+
     def close(self) -> None:
         """Nothing to release: the model is the caller's."""
 

@@ -17,14 +17,23 @@ worker's with ``distributed.rollout_workers``), fed token ids.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from a3po.rollout.torch_engine import BetweenSteps, RolloutBatch, SamplingParams
+from a3po.rollout.torch_engine import BetweenSteps, OnToken, RolloutBatch, SamplingParams
 from a3po.rollout.vllm_support import check_head_dim, check_vllm_features
+
+
+def _sampled(completion, row: int) -> tuple[list[int], list[float]]:
+    """A vLLM completion's token ids and, per token, the sampled token's log-prob."""
+    ids = list(completion.token_ids)
+    if len(completion.logprobs or []) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-probs for {len(ids)} tokens (row {row})")
+    return ids, [lp[t].logprob for t, lp in zip(ids, completion.logprobs, strict=True)]
 
 
 def _unique_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -68,6 +77,7 @@ class VllmEngine:
         self.eos_token_id, self.pad_token_id, self.version = eos_token_id, pad_token_id, version
         self.work_dir = Path(work_dir)
         self.device = torch.device(device)  # where the returned batch lives: the trainer's device
+        self._request_ids = itertools.count()
         # On CUDA vLLM takes a fraction of the device (the trainer shares it); on CPU a fixed KV
         # cache (vLLM's CPU default is sized for serving, not for a rollout beside a trainer).
         if torch.cuda.is_available():
@@ -140,7 +150,89 @@ class VllmEngine:
         seed: int,
         between_steps: BetweenSteps | None = None,
         meta: list[dict] | None = None,
+        on_token: OnToken | None = None,
     ) -> RolloutBatch:
+        self._check_prompts(prompts, between_steps)
+        if on_token is not None:  # streamed scoring needs every decode step: the request-level loop
+            budget = torch.full((len(prompts),), params.max_new_tokens)
+            return self.generate_until(prompts, params, seed, budget, lambda done: False, on_token=on_token, meta=meta)
+        requests = [self._vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
+        sampling = [self._sampling(params, seed + i, params.max_new_tokens) for i in range(len(prompts))]
+        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        tokens, logps = [], []
+        for i, out in enumerate(outs):
+            ids, lp = _sampled(out.outputs[0], i)
+            tokens.append(ids)
+            logps.append(lp)
+        return self._batch(prompts, tokens, logps, meta)
+
+    def generate_until(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        row_budget: torch.Tensor,
+        stop_early: Callable[[torch.Tensor], bool],
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+        meta: list[dict] | None = None,
+    ) -> RolloutBatch:
+        """The request-level loop OPPO needs (:meth:`a3po.rollout.engines.Engine.generate_until`):
+        one request per row (``max_tokens`` its budget, seeded ``seed + row`` as in
+        :meth:`generate_batch`) on vLLM's engine, stepped here. After each engine step the rows'
+        new tokens are appended, whole decode columns go to ``on_token`` (a column is complete
+        when every row still decoding has its token), and ``stop_early(done)`` may end the batch:
+        the requests still running are aborted and keep the tokens they have."""
+        self._check_prompts(prompts, between_steps)
+        engine, n = self.llm.llm_engine, len(prompts)
+        ids = [f"a3po-{next(self._request_ids)}" for _ in range(n)]
+        row_of = {rid: i for i, rid in enumerate(ids)}
+        kind = self._vllm.sampling_params.RequestOutputKind.DELTA  # each step's new tokens only
+        for i, p in enumerate(prompts):
+            budget = int(row_budget[i])
+            if budget < 1:
+                raise ValueError(f"row {i} has a budget of {budget} new tokens; give rows that may still decode")
+            engine.add_request(ids[i], self._vllm.TokensPrompt(prompt_token_ids=list(map(int, p))),
+                               self._sampling(params, seed + i, budget, output_kind=kind))
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        done = torch.zeros(n, dtype=torch.bool)
+        column = 0  # the next decode column handed to on_token
+        try:
+            while not bool(done.all()):
+                for out in engine.step():
+                    i = row_of[out.request_id]
+                    new, lp = _sampled(out.outputs[0], i)
+                    tokens[i] += new
+                    logps[i] += lp
+                    done[i] = bool(out.finished)
+                if on_token is not None:
+                    column = self._stream_columns(tokens, done, column, on_token)
+                if not bool(done.all()) and stop_early(done.clone()):
+                    break
+        finally:
+            running = [ids[i] for i in range(n) if not bool(done[i])]
+            if running:
+                engine.abort_request(running)
+        if on_token is not None:  # what the rows keep is final now: the columns not handed over yet
+            self._stream_columns(tokens, torch.ones(n, dtype=torch.bool), column, on_token)
+        return self._batch(prompts, tokens, logps, meta)
+
+    def _stream_columns(self, tokens: list[list[int]], done: torch.Tensor, column: int, on_token: OnToken) -> int:
+        """Hand ``on_token`` each decode column every row has passed (sampled its token there, or
+        stopped before it), as the torch engine calls it: ``(t, tokens (n,), alive (n,))`` with
+        ``alive`` the rows that sampled at ``t`` and padding elsewhere; returns the next column."""
+        lengths = torch.tensor([len(t) for t in tokens])
+        # The columns every row still decoding has reached (all of them once every row is done).
+        ready = int(lengths.max()) if bool(done.all()) else int(lengths[~done].min())
+        while column < ready:
+            alive = lengths > column
+            tok = torch.tensor([t[column] if a else self.pad_token_id for t, a in zip(tokens, alive.tolist(), strict=True)])
+            on_token(column, tok.to(self.device), alive.to(self.device))
+            column += 1
+        return column
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], between_steps: BetweenSteps | None) -> None:
         if between_steps is not None:
             raise ValueError("the vLLM engine loads weights between batches only (rollout.weight_updates: batch)")
         if len(prompts) == 0:
@@ -148,32 +240,20 @@ class VllmEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-        vllm = self._vllm
-        requests = [vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
-        sampling = [
-            vllm.SamplingParams(
-                n=1,
-                max_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=seed + i,
-                logprobs=0,  # the sampled token's own log-prob
-                stop_token_ids=[self.eos_token_id],
-                ignore_eos=False,
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
-        outs = self.llm.generate(requests, sampling, use_tqdm=False)
-        tokens, logps = [], []
-        for i, out in enumerate(outs):
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            if len(comp.logprobs or []) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(comp.logprobs or [])} log-probs for {len(ids)} tokens (row {i})")
-            tokens.append(ids)
-            logps.append([lp[t].logprob for t, lp in zip(ids, comp.logprobs, strict=True)])
-        return self._batch(prompts, tokens, logps, meta)
+
+    def _sampling(self, params: SamplingParams, seed: int, max_tokens: int, **extra):
+        return self._vllm.SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=seed,
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=[self.eos_token_id],
+            ignore_eos=False,
+            detokenize=False,
+            **extra,
+        )
 
     def _batch(self, prompts, tokens: list[list[int]], logps: list[list[float]], meta) -> RolloutBatch:
         """The torch engine's layout: prompts left-padded to width P, responses from column P."""
