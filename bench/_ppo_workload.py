@@ -9,10 +9,19 @@ import argparse
 import torch
 
 from a3po.config import PRESETS, preset, with_overrides
-from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows
-from a3po.models.factory import build_tiny_model, load_pretrained
+from a3po.models.factory import load_model, load_pretrained
 from bench._peer_venvs import TRL_PPO
+
+# The PPO parts per preset: tiny-ppo's on the built-in models; on the pretrained 135M model the
+# critic is a copy of the policy too, and tiny's critic step (1e-3) would wreck its pretrained
+# features: 10x the policy's lr instead, the ratio RLHF trainers commonly use.
+PPO_PARTS = {
+    "micro": PRESETS["tiny-ppo"],
+    "tiny": PRESETS["tiny-ppo"],
+    "smol": {"rl": {"advantage": "gae"},
+             "ppo": {**PRESETS["tiny-ppo"]["ppo"], "critic_lr": 10 * PRESETS["smol"]["rl"]["lr"]}},
+}
 
 SETTINGS = {
     "grpo": {"off": {"inter": False}, "inter": {"inter": True}},
@@ -23,7 +32,8 @@ SETTINGS = {
 def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.oppo", description: str | None = None) -> argparse.Namespace:
     hint = TRL_PPO.install_hint(prog.removeprefix("python -m "))
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=f"TRL's PPO (PPO path) needs TRL 1.12, in a venv of its own: {hint}")
-    ap.add_argument("--preset", default="micro", choices=["micro", "tiny"])
+    ap.add_argument("--preset", default="micro", choices=sorted(PPO_PARTS),
+                    help="micro / tiny: the built-in models; smol: the pretrained SmolLM2-135M-Instruct (make setup-smol)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--long-tail", type=float, default=0.25, help="data.long_tail_frac")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -55,7 +65,7 @@ def oppo_overrides(args: argparse.Namespace, oppo: dict) -> dict:
 
 def setting_config(args: argparse.Namespace, oppo: dict):
     """One setting's config (ConfigError when the combination is refused)."""
-    ppo = PRESETS["tiny-ppo"] if args.path == "ppo" else {}
+    ppo = PPO_PARTS[args.preset] if args.path == "ppo" else {}
     return with_overrides(preset(args.preset), data={"long_tail_frac": args.long_tail},
                           rl={**ppo.get("rl", {}), "steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
                               "variant": "loglinear", "max_staleness": args.max_staleness,
@@ -75,6 +85,6 @@ def setting_model(args: argparse.Namespace, cfg):
         ws_dir, _ = prepare_warmstart(ws_cfg, args.warmstart_cache, log=lambda s: None)
         model, tok = load_pretrained(ws_dir)
     else:
-        model, tok = build_tiny_model(cfg.model.name, WORDS, seed=cfg.model.init_seed)
+        model, tok = load_model(cfg.model.name, seed=cfg.model.init_seed)  # a built-in size, or the named pretrained model
     train, held, _ = load_rows(cfg.data, tok)
     return model, tok, train, held

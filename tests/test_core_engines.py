@@ -7,7 +7,13 @@ The vLLM engine itself is tested in tests/test_vllm_engine.py (``-m vllm``)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -154,3 +160,47 @@ def test_metrics_mode_reports_the_engine_mismatch_per_step(core_stub_rewards):
         assert 0.0 <= h["rollout/behav_logp_abs_err"] <= h["rollout/behav_logp_abs_err_max"] < 1e-5
     plain = rl_train(with_overrides(cfg, rl={"proximal": None}), *build_tiny_model("micro", WORDS, seed=0), train, held, warmstart_acc=0.0)
     assert "rollout/behav_logp_abs_err" not in plain.history[0]
+
+
+
+# An engine owner (the process that builds VllmEngine) naming itself, or another process, as the
+# owner, then starting a stand-in for vLLM's engine core, which runs the plugin as vLLM would.
+_OWNER = """
+import os, subprocess, sys, time
+os.environ["A3PO_VLLM_ENGINE_OWNER"] = str(os.getpid()) if sys.argv[2] == "self" else "1"
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+_ENGINE_CORE = """
+import pathlib, sys, time
+from a3po.rollout.vllm_support import die_with_the_engine_owner
+die_with_the_engine_owner()
+pathlib.Path(sys.argv[1]).write_text("armed")
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("owner", ["self", "another"])
+def test_a_process_the_engine_owner_starts_dies_with_it(tmp_path, owner):
+    """vLLM's engine core outlives an owner killed with SIGKILL unless armed: a process started by
+    the pid named in A3PO_VLLM_ENGINE_OWNER dies with it; one whose parent is not the named owner
+    is left alone (the plugin runs in the owner itself too, and in processes it did not start)."""
+    armed = tmp_path / "armed"
+    code = _ENGINE_CORE.replace("sys.argv[1]", repr(str(armed)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, code, owner], stdout=subprocess.PIPE, text=True, env=env)
+    child = psutil.Process(int(proc.stdout.readline()))
+    try:
+        deadline = time.monotonic() + 30
+        while not armed.exists():
+            assert time.monotonic() < deadline and child.is_running(), "the stand-in never armed"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        gone, _ = psutil.wait_procs([child], timeout=10)
+        assert (child in gone) == (owner == "self")
+    finally:
+        if child.is_running():
+            child.kill()

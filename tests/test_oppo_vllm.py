@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -215,8 +216,12 @@ def test_both_overlaps_in_a_vllm_worker_resume_after_a_kill_to_the_uninterrupted
     out = tmp_path / "killed"
     share_warmstart(tmp_path / "whole", out)
     latest = out / "loglinear-seed0" / "checkpoints" / "latest"
-    proc, _, _ = run_and_kill(_command(config, out, "loglinear"), REPO_ROOT, _env(), latest, rank=1)
+    proc, output, launch = run_and_kill(_command(config, out, "loglinear"), REPO_ROOT, _env(), latest, rank=1)
     killed_at = killed_at_step(proc, latest, STEPS_RUN)
+    assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]  # torchrun names the dead rank
+    # Nothing of the launch is left: the trainer, and the engine core the killed worker had started.
+    _, left = psutil.wait_procs(launch, timeout=30)
+    assert len(launch) >= 2 and not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], (launch, left)
     carry = load_checkpoint(latest_checkpoint(latest.parent))["oppo_state"]
     assert any(s["tokens"] for w in carry["workers"] if w is not None for g in w["buffer"]["groups"] for s in g), \
         "precondition: the checkpoint holds no carried answer"

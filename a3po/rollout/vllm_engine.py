@@ -18,6 +18,7 @@ worker's with ``distributed.rollout_workers``), fed token ids.
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 from pathlib import Path
 from typing import Callable, Sequence
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from a3po.rollout.torch_engine import BetweenSteps, OnToken, RolloutBatch, SamplingParams
-from a3po.rollout.vllm_support import check_head_dim, check_vllm_features
+from a3po.rollout.vllm_support import ENGINE_OWNER_ENV, check_head_dim, check_vllm_features
 
 
 def _sampled(completion, row: int) -> tuple[list[int], list[float]]:
@@ -88,6 +89,8 @@ class VllmEngine:
             # whole batch of full-length sequences never splits one.
             kwargs = {"kv_cache_memory_bytes": cpu_kv_cache_bytes, "max_num_seqs": max_batch,
                       "max_num_batched_tokens": max(2048, max_batch * max_model_len)}
+        # The engine core vLLM starts dies with this process (a3po.rollout.vllm_support.die_with_the_engine_owner).
+        os.environ[ENGINE_OWNER_ENV] = str(os.getpid())
         self.llm = vllm.LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,

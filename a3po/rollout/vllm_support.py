@@ -4,8 +4,12 @@ needs ``LD_PRELOAD``, so the cheap check only looks for the package)."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import inspect
+import os
+import signal
+import sys
 
 from a3po.catalog import VLLM_INSTALL_HINT as INSTALL_HINT
 
@@ -57,3 +61,25 @@ def check_head_dim(model_config, on_cuda: bool) -> None:
     if head_dim not in supported:
         raise VllmUnsupported(f"vLLM's CPU attention does not support head size {head_dim} "
                               f"(hidden {model_config.hidden_size} / {model_config.num_attention_heads} heads); supported: {supported}")
+
+
+# The pid of the process that builds a VllmEngine, for the processes vLLM starts from it.
+ENGINE_OWNER_ENV = "A3PO_VLLM_ENGINE_OWNER"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_the_engine_owner() -> None:
+    """A vLLM general plugin (entry point ``vllm.general_plugins``, run by vLLM in every process
+    it starts): a process started directly by the engine's owner (the trainer or rollout worker
+    that built :class:`~a3po.rollout.vllm_engine.VllmEngine`, whose pid the engine puts in
+    ``A3PO_VLLM_ENGINE_OWNER``) is killed when the owner dies (Linux ``PR_SET_PDEATHSIG``).
+    vLLM's engine core otherwise outlives an owner killed with SIGKILL, keeping its memory (a
+    GPU's, on CUDA) and the launch's output open, so the launch never ends. Elsewhere a no-op."""
+    owner = os.environ.get(ENGINE_OWNER_ENV)
+    if owner is None or not sys.platform.startswith("linux") or os.getppid() != int(owner):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(owner):  # the owner died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)

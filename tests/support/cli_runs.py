@@ -101,8 +101,10 @@ def kill_rank_after_first_checkpoint(proc, latest: Path, rank: int = 1, timeout:
         assert proc.poll() is None, f"the run ended before its first checkpoint:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, f"no checkpoint after {timeout:.0f} s"
         time.sleep(0.02)
-    found = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == str(rank)]
-    assert len(found) == 1, found
+    ranked = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == str(rank)]
+    # The rank's own process: those it started inherit its environment (e.g. vLLM's engine core).
+    found = [p for p in ranked if p.ppid() not in {q.pid for q in ranked}]
+    assert len(found) == 1, ranked
     found[0].send_signal(signal.SIGKILL)
 
 
