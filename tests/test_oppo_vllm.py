@@ -227,4 +227,4 @@ def test_both_overlaps_in_a_vllm_worker_resume_after_a_kill_to_the_uninterrupted
         "precondition: the checkpoint holds no carried answer"
     resumed = _train(config, out)
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= killed_at
-    assert_equal_runs(whole, resumed, STEPS_RUN)
+    assert_equal_runs(whole, resumed, STEPS_RUN, ignore=("oppo/scorer_busy_s/",))  # the scorers' wall time aside

@@ -216,8 +216,9 @@ class ScorerThread(threading.Thread):
 
 
 class ChunkFeeder:
-    """The rollout engine's per-token callback (``RolloutEngine.generate(on_token=...)``): it
-    collects generated tokens and hands every ``chunk_size`` of them to each scorer thread.
+    """The rollout engine's per-token callback (``on_token`` of either engine's
+    ``generate_batch`` / ``generate_until``, :mod:`a3po.rollout.engines`): it collects generated
+    tokens and hands every ``chunk_size`` of them to each scorer thread.
 
     Use: ``feeder.start(prompt_ids, prompt_mask)``, pass ``feeder.on_token`` to ``generate``,
     then ``feeder.finish()`` returns ``{name: result}`` once every scorer has caught up."""

@@ -131,12 +131,13 @@ def flow_logs(flow_run_id) -> list[str]:
                 return messages
 
 
-def assert_equal_runs(a: dict, b: dict, steps: int) -> None:
-    """Two runs equal bit for bit: every per-step metric (timing aside) and the final weights.
+def assert_equal_runs(a: dict, b: dict, steps: int, ignore: tuple[str, ...] = ()) -> None:
+    """Two runs equal bit for bit: every per-step metric (timing aside, and those starting with
+    one of ``ignore``: e.g. the OPPO scorers' busy seconds, wall time too) and the final weights.
     Fails on a degenerate run (a loss of 0 at nearly every step compares nothing)."""
     import torch
 
-    ma, mb = step_metrics(a), step_metrics(b)
+    ma, mb = ({s: {k: v for k, v in m.items() if not k.startswith(ignore)} for s, m in step_metrics(r).items()} for r in (a, b))
     assert sorted(ma) == list(range(1, steps + 1)), sorted(ma)
     losses = [ma[s]["loss/policy"] for s in ma]
     assert sum(abs(x) > 1e-3 for x in losses) >= 3, f"degenerate trajectory, nothing to compare: {losses}"
