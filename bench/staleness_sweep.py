@@ -14,14 +14,18 @@ sync are not measurable here).
     python -m bench.staleness_sweep --preset smol --steps 10          # the pretrained model (make setup-smol)
     python -m bench.staleness_sweep --preset tiny --steps 60 --seeds 0,1
 
-Each bound's comparison keeps its runs (MLflow in ``<out>/mlflow.db``, one experiment per bound);
-re-running resumes. Prints a table, then as the very last line one JSON object.
+Each bound's comparison keeps its runs (MLflow in ``<out>/mlflow.db``, one experiment per bound;
+metrics, final models, summary) but not their checkpoints once it is done (``--keep-checkpoints``
+keeps them: on ``smol`` ~3 GB each, two per run); re-running with the same ``--output-dir`` reuses
+the bounds already compared and resumes the others. Prints a table, then as the very last line one
+JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,16 +36,26 @@ CLAIMS_HERE = ("ttt_vs_recompute", "reward_parity", "behav_iw_extremes", "clippe
 
 
 def run_bound(bound: int, args: argparse.Namespace, out: Path) -> dict:
+    """One bound's comparison, or the one an earlier invocation finished (its summary.json)."""
     from flows.compare_variants import compare_variants
     from tasks.claims import check_claims
 
-    res = compare_variants(preset=args.preset, variants=["recompute", "loglinear"], seeds=args.seeds, steps=args.steps, max_staleness=bound,
-                           benchmarks=[], tracking_uri=f"sqlite:///{out / 'mlflow.db'}", experiment=f"staleness-{bound}",
-                           output_dir=str(out / f"staleness-{bound}"))
-    rows = res["summary"]["rows"]
-    claims = [c for c in check_claims(rows, res["summary"]["target"]) if c["claim"] in CLAIMS_HERE]
+    folder = out / f"staleness-{bound}"
+    done = folder / "summary" / "summary.json"
+    if done.exists():
+        summary, parent = json.loads(done.read_text()), None
+    else:
+        res = compare_variants(preset=args.preset, variants=["recompute", "loglinear"], seeds=args.seeds, steps=args.steps,
+                               max_staleness=bound, benchmarks=[], tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
+                               experiment=f"staleness-{bound}", output_dir=str(folder))
+        summary, parent = res["summary"], res["parent_run_id"]
+    if not args.keep_checkpoints:  # a finished comparison needs none; a 135M model's are ~3 GB each
+        for ckpt in folder.glob("*/checkpoints"):
+            shutil.rmtree(ckpt, ignore_errors=True)
+    rows = summary["rows"]
+    claims = [c for c in check_claims(rows, summary["target"]) if c["claim"] in CLAIMS_HERE]
     return {"bound": bound, "rows": {r["variant"]: {k: r.get(k) for k, _ in FIGURES} for r in rows},
-            "claims": {c["claim"]: c["verdict"] for c in claims}, "parent_run_id": res["parent_run_id"]}
+            "claims": {c["claim"]: c["verdict"] for c in claims}, "parent_run_id": parent}
 
 
 def _fmt(v) -> str:
@@ -55,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument("--output-dir", default=None, help="default: a new temporary folder")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep each finished run's checkpoints (default: removed once its bound's comparison is done)")
     args = ap.parse_args(argv)
     bounds = [int(s) for s in args.staleness.split(",") if s.strip()]
     if not bounds or min(bounds) < 1:

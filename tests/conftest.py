@@ -7,7 +7,9 @@ next to the repo root, or ``$A3PO_SHARED_DATA``.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +23,11 @@ if str(REPO_ROOT) not in sys.path:
 # No test may reach a dataset or model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# Flow tests run Prefect in a home of their own, set before any test module imports Prefect.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="a3po-test-prefect-"))
+# Flow tests run Prefect in a home of their own, set before any test module imports Prefect, and
+# removed at exit (registered first, so it runs after Prefect's own exit handlers stop its server).
+if "PREFECT_HOME" not in os.environ:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="a3po-test-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 
 # Skips that mean CI set itself up wrong: .ci/run installs PostgreSQL and DeepSpeed, so there
