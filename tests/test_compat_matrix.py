@@ -20,6 +20,7 @@ from a3po.config import TrainConfig, preset, with_overrides
 from a3po.config.preflight import module_available
 from a3po.models.logprobs import prefix_repeats
 from infra.compat_matrix import REPO_ROOT, REVIEWS, Cell, cells, doc_block, main, matrix, render
+from tests.support.tiny_models import save_micro_h32
 
 DOC = REPO_ROOT / "docs" / "distributed.md"
 DOTTED = re.compile(r"\b[a-z_]+(?:\.[a-z_]+)+\b")
@@ -107,15 +108,7 @@ def _param(cell: Cell):
 
 
 def _micro_h32(tmp_path) -> str:
-    """The micro preset's sizes with one head of 32, saved as a model folder: vLLM's CPU attention
-    has no kernel for micro's head size 16."""
-    from a3po.data.arithmetic import WORDS
-    from a3po.models.factory import TinyArch, build_tiny_model
-
-    model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
-    model.save_pretrained(tmp_path / "micro-h32")
-    tok.save_pretrained(tmp_path / "micro-h32")
-    return str(tmp_path / "micro-h32")
+    return str(save_micro_h32(tmp_path / "micro-h32"))
 
 
 @pytest.fixture(scope="module")

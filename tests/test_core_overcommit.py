@@ -20,6 +20,7 @@ from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from a3po.storage.checkpoint import load_checkpoint, save_checkpoint
 from a3po.training.loop import rl_train
+from tests.support.ledger import assert_every_group_trained_once
 from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
@@ -168,11 +169,8 @@ def test_every_admitted_group_is_trained_once_across_a_checkpoint_mid_carry_over
     assert partial_at_ckpt, "precondition: some sequences were mid-answer at the checkpoint"
 
     # Ledger: groups 0 .. next_group-1 were admitted; each is trained exactly once or still in flight.
-    admitted = set(range(final["next_group"]))
     trained_groups = [m[0]["group"] for _, metas, _ in trained for m in [metas[i:i + G] for i in range(0, len(metas), G)]]
-    in_flight = {g[0]["group"] for g in final["buffer"]["groups"]}
-    assert len(trained_groups) == len(set(trained_groups)) == B * STEPS  # none twice, B per step
-    assert set(trained_groups) | in_flight == admitted and not set(trained_groups) & in_flight  # none lost
+    assert_every_group_trained_once(trained_groups, final, B, STEPS)
     for _, metas, _ in trained:
         for i in range(0, len(metas), G):  # whole groups, with their own prompts (group g = sampler batch g's first)
             group = [m["group"] for m in metas[i:i + G]]

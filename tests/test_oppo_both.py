@@ -22,6 +22,7 @@ from a3po.producer.producer import Admission, PromptSampler
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
 from tests.support.cli_runs import TIMING
+from tests.support.ledger import assert_every_group_trained_once
 from tests.support.ppo_parts import micro_ppo_parts
 from tests.support.resume import assert_same_final_state, run_interrupted_and_resumed
 
@@ -166,11 +167,8 @@ def test_both_on_every_group_trained_once_across_a_checkpoint_mid_carry_over(tmp
     assert partial_at_ckpt and done_at_ckpt, "precondition: answers mid-way and done ones waiting for their group"
     assert all(s["scored"] is not None for g in state["buffer"]["groups"] for s in g if s["done"])
 
-    admitted = set(range(final["next_group"]))
     trained_groups = [scored.rollout.meta[i]["group"] for _, scored in trained for i in range(0, len(scored.rollout), G)]
-    in_flight = {g[0]["group"] for g in final["buffer"]["groups"]}
-    assert len(trained_groups) == len(set(trained_groups)) == B * STEPS  # none twice, B per step
-    assert set(trained_groups) | in_flight == admitted and not set(trained_groups) & in_flight  # none lost
+    assert_every_group_trained_once(trained_groups, final, B, STEPS)
 
     # Streamed == one-shot, row by row, with the critic of the version that decoded the row's last
     # part (recorded with the sample); a wrong version shows since the critic moves every step.

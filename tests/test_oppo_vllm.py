@@ -38,6 +38,8 @@ from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import SamplingParams
 from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests.support.cli_runs import assert_equal_runs, killed_at_step, run_and_kill, run_to_json, share_warmstart, step_metrics
+from tests.support.ledger import assert_every_group_trained_once
+from tests.support.tiny_models import save_micro_h32
 
 pytestmark = pytest.mark.vllm
 
@@ -112,11 +114,8 @@ def test_every_admitted_group_is_trained_once_across_a_checkpoint_and_each_token
 
     partial_at_ckpt = {s["group"] for g in state["buffer"]["groups"] for s in g if s["tokens"] and not s["done"]}
     assert partial_at_ckpt, "precondition: some answers were mid-way at the checkpoint"
-    admitted = set(range(final["next_group"]))
     trained_groups = [batch.meta[i]["group"] for _, batch in trained for i in range(0, len(batch), G)]
-    in_flight = {g[0]["group"] for g in final["buffer"]["groups"]}
-    assert len(trained_groups) == len(set(trained_groups)) == B * STEPS  # none twice, B per step
-    assert set(trained_groups) | in_flight == admitted and not set(trained_groups) & in_flight  # none lost
+    assert_every_group_trained_once(trained_groups, final, B, STEPS)
 
     # Each token's behaviour log-prob is the trainer's forward of its own version (answers that
     # span versions included): the weights of consecutive versions differ by 2%, far above rounding.
@@ -147,11 +146,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def micro_h32(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("micro-h32")
-    model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_micro_h32(tmp_path_factory.mktemp("micro-h32"))
 
 
 def _config(tmp: Path, name: str, model: Path, oppo: str, max_staleness: int) -> Path:

@@ -28,6 +28,7 @@ import pytest
 
 from a3po.config import ConfigError, config_from_dict
 from tests.support.cli_runs import deepspeed_json, run_to_json
+from tests.support.tiny_models import save_micro_h32
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -69,15 +70,7 @@ def _needs_vllm():
 
 @pytest.fixture(scope="module")
 def micro_h32(tmp_path_factory) -> Path:
-    """The micro preset's model sizes with one head of 32, saved with its tokenizer."""
-    from a3po.data.arithmetic import WORDS
-    from a3po.models.factory import TinyArch, build_tiny_model
-
-    folder = tmp_path_factory.mktemp("micro-h32")
-    model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_micro_h32(tmp_path_factory.mktemp("micro-h32"))
 
 
 def _env() -> dict[str, str]:

@@ -1,8 +1,11 @@
 """Tiny Qwen2 and Llama causal LMs built from a config, shared by the tests of the decoders and
 of the training forward: grouped-query attention, tied (Qwen2) or untied embeddings, and (Llama)
-attention and MLP biases drawn non-zero so that they matter."""
+attention and MLP biases drawn non-zero so that they matter; and the micro preset's model in the
+shape vLLM's CPU kernels take, saved as a folder."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -31,3 +34,15 @@ def llama(**kw):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.1)
         return model
+
+
+def save_micro_h32(folder: Path) -> Path:
+    """The micro preset's sizes with one head of 32 instead of two of 16 (vLLM's CPU attention has
+    no kernel for head size 16), saved with its tokenizer as a model folder ``model.name`` takes."""
+    from a3po.data.arithmetic import WORDS
+    from a3po.models.factory import TinyArch, build_tiny_model
+
+    model, tok = build_tiny_model(TinyArch(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64), WORDS, seed=0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
