@@ -182,10 +182,10 @@ class VllmEngine:
     ) -> RolloutBatch:
         """The request-level loop OPPO needs (:meth:`a3po.rollout.engines.Engine.generate_until`):
         one request per row (``max_tokens`` its budget, seeded ``seed + row`` as in
-        :meth:`generate_batch`) on vLLM's engine, stepped here. After each engine step the rows'
-        new tokens are appended, whole decode columns go to ``on_token`` (a column is complete
-        when every row still decoding has its token), and ``stop_early(done)`` may end the batch:
-        the requests still running are aborted and keep the tokens they have."""
+        :meth:`generate_batch`) on vLLM's engine, stepped here, each step's new tokens appended.
+        Decode column ``t`` is settled once every row has sampled its token there or ended before
+        it; then it goes to ``on_token`` and ``stop_early(done)`` sees the rows done by ``t``. On a
+        stop the requests still running are aborted and every row keeps its tokens up to ``t``."""
         self._check_prompts(prompts, between_steps)
         engine, n = self.llm.llm_engine, len(prompts)
         ids = [f"a3po-{next(self._request_ids)}" for _ in range(n)]
@@ -199,41 +199,39 @@ class VllmEngine:
                                self._sampling(params, seed + i, budget, output_kind=kind))
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
-        done = torch.zeros(n, dtype=torch.bool)
-        column = 0  # the next decode column handed to on_token
+        done = torch.zeros(n, dtype=torch.bool)  # the request has ended (EOS or its budget)
+        column, stopped = 0, False  # decode columns settled (every row sampled there, or had ended before)
         try:
-            while not bool(done.all()):
-                for out in engine.step():
-                    i = row_of[out.request_id]
-                    new, lp = _sampled(out.outputs[0], i)
-                    tokens[i] += new
-                    logps[i] += lp
-                    done[i] = bool(out.finished)
+            while True:
+                lengths = torch.tensor([len(t) for t in tokens])
+                if not bool((done | (lengths > column)).all()):  # some running row has not sampled this column yet
+                    for out in engine.step():
+                        i = row_of[out.request_id]
+                        new, lp = _sampled(out.outputs[0], i)
+                        tokens[i] += new
+                        logps[i] += lp
+                        done[i] = bool(out.finished)
+                    continue
+                # Decided column by column on the tokens alone, as the torch engine does: how far vLLM's
+                # steps ran ahead of this loop (a matter of timing) changes nothing.
+                alive = lengths > column
                 if on_token is not None:
-                    column = self._stream_columns(tokens, done, column, on_token)
-                if not bool(done.all()) and stop_early(done.clone()):
+                    tok = torch.tensor([t[column] if a else self.pad_token_id for t, a in zip(tokens, alive.tolist(), strict=True)])
+                    on_token(column, tok.to(self.device), alive.to(self.device))
+                column += 1
+                ended = done & (lengths <= column)  # rows done by this column
+                if bool(ended.all()):
+                    break
+                if stop_early(ended.clone()):
+                    stopped = True
                     break
         finally:
             running = [ids[i] for i in range(n) if not bool(done[i])]
             if running:
                 engine.abort_request(running)
-        if on_token is not None:  # what the rows keep is final now: the columns not handed over yet
-            self._stream_columns(tokens, torch.ones(n, dtype=torch.bool), column, on_token)
+        if stopped:  # tokens sampled past the stop are dropped: the next step decodes them again
+            tokens, logps = [t[:column] for t in tokens], [lp[:column] for lp in logps]
         return self._batch(prompts, tokens, logps, meta)
-
-    def _stream_columns(self, tokens: list[list[int]], done: torch.Tensor, column: int, on_token: OnToken) -> int:
-        """Hand ``on_token`` each decode column every row has passed (sampled its token there, or
-        stopped before it), as the torch engine calls it: ``(t, tokens (n,), alive (n,))`` with
-        ``alive`` the rows that sampled at ``t`` and padding elsewhere; returns the next column."""
-        lengths = torch.tensor([len(t) for t in tokens])
-        # The columns every row still decoding has reached (all of them once every row is done).
-        ready = int(lengths.max()) if bool(done.all()) else int(lengths[~done].min())
-        while column < ready:
-            alive = lengths > column
-            tok = torch.tensor([t[column] if a else self.pad_token_id for t, a in zip(tokens, alive.tolist(), strict=True)])
-            on_token(column, tok.to(self.device), alive.to(self.device))
-            column += 1
-        return column
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], between_steps: BetweenSteps | None) -> None:
         if between_steps is not None:
