@@ -49,9 +49,10 @@ def test_vllm_runs_in_rollout_workers_beside_one_trainer_or_zero_ranks_and_never
     assert (cfg.distributed.rollout_workers, cfg.distributed.deepspeed_config) == (1, zero)
     with pytest.raises(ConfigError, match="no rollout workers: every trainer rank would start its own engine"):
         config_from_dict({"rollout": {"engine": "vllm"}, "distributed": {"deepspeed_config": zero}})
-    # The carry-over resumes sequences token by token: not with vLLM, in a worker or not.
-    with pytest.raises(ConfigError, match="rollout.engine 'vllm' with oppo.inter"):
-        config_from_dict({"rollout": {"engine": "vllm"}, "oppo": {"inter": True}, "rl": {"variant": "loglinear"}})
+    # OPPO's carry-over runs where vLLM generates (its request-level loop), beside ZeRO ranks too.
+    cfg = config_from_dict({"rollout": {"engine": "vllm"}, "oppo": {"inter": True}, "rl": {"variant": "loglinear"},
+                            "distributed": {"rollout_workers": 1, "deepspeed_config": zero}})
+    assert (cfg.oppo.inter, cfg.distributed.rollout_workers) == (True, 1)
 
 
 def test_lora_with_the_vllm_engine_in_process_is_accepted():
