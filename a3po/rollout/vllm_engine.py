@@ -191,12 +191,12 @@ class VllmEngine:
         ids = [f"a3po-{next(self._request_ids)}" for _ in range(n)]
         row_of = {rid: i for i, rid in enumerate(ids)}
         kind = self._vllm.sampling_params.RequestOutputKind.DELTA  # each step's new tokens only
+        budgets = [int(b) for b in row_budget]
+        if len(budgets) != n or min(budgets) < 1:  # checked before any request enters the engine
+            raise ValueError(f"row_budget needs a budget >= 1 for each of the {n} rows, got {budgets}")
         for i, p in enumerate(prompts):
-            budget = int(row_budget[i])
-            if budget < 1:
-                raise ValueError(f"row {i} has a budget of {budget} new tokens; give rows that may still decode")
             engine.add_request(ids[i], self._vllm.TokensPrompt(prompt_token_ids=list(map(int, p))),
-                               self._sampling(params, seed + i, budget, output_kind=kind))
+                               self._sampling(params, seed + i, budgets[i], output_kind=kind))
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         done = torch.zeros(n, dtype=torch.bool)  # the request has ended (EOS or its budget)
