@@ -13,6 +13,11 @@ worker's with ``distributed.rollout_workers``), fed token ids.
   the old weights) is off, so no token is computed from a mix of versions. Every token of a
   batch carries the version loaded when the batch started.
 * Sampling is seeded per row (``seed + row``), so a batch is reproducible for a given vLLM build.
+* A plain batch is one ``LLM.generate`` call; OPPO's decoding (over-commitment, streamed scoring)
+  steps vLLM's engine request by request (:meth:`VllmEngine.generate_until`), deciding column by
+  column on the sampled tokens as the torch engine does.
+* vLLM's engine core runs in a process of its own that dies with this one
+  (:func:`a3po.rollout.vllm_support.die_with_the_engine_owner`, a vLLM general plugin).
 """
 
 from __future__ import annotations
@@ -155,10 +160,10 @@ class VllmEngine:
         meta: list[dict] | None = None,
         on_token: OnToken | None = None,
     ) -> RolloutBatch:
-        self._check_prompts(prompts, between_steps)
-        if on_token is not None:  # streamed scoring needs every decode step: the request-level loop
+        if on_token is not None:  # streamed scoring needs every decode step: the request-level loop (it checks the prompts)
             budget = torch.full((len(prompts),), params.max_new_tokens)
-            return self.generate_until(prompts, params, seed, budget, lambda done: False, on_token=on_token, meta=meta)
+            return self.generate_until(prompts, params, seed, budget, lambda done: False, between_steps, on_token, meta)
+        self._check_prompts(prompts, between_steps)
         requests = [self._vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         sampling = [self._sampling(params, seed + i, params.max_new_tokens) for i in range(len(prompts))]
         outs = self.llm.generate(requests, sampling, use_tqdm=False)
