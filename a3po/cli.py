@@ -18,6 +18,7 @@ never imports flows, Prefect or MLflow.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -28,11 +29,16 @@ from typing import Callable
 
 def _train(argv: list[str]) -> int:
     from a3po.config import PRESETS, ConfigError, Variant, merge_yaml, preflight, preset, with_overrides
+    from a3po.config.loading import replaced_file_values
     from a3po.devices import Device, DType
 
-    ap = argparse.ArgumentParser(prog="a3po train", description="Train one variant (sync, recompute, loglinear) with async RL.")
-    ap.add_argument("--variant", choices=[v.value for v in Variant], default="loglinear")
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="built-in preset: tiny (embedded default) or micro (seconds)")
+    ap = argparse.ArgumentParser(prog="a3po train",
+                                 description="Train one variant (sync, recompute, loglinear) with async RL.")
+    # Every option defaults to None (unset): only what the user gave replaces the preset's or --config's value.
+    ap.add_argument("--variant",
+                    choices=[v.value for v in Variant], default=None, help="overrides the config (default loglinear)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                    help="built-in preset: tiny (embedded default) or micro (seconds)")
     ap.add_argument("--config", help="YAML TrainConfig; its values override the preset")
     ap.add_argument("--steps", type=int, help="RL steps (overrides the config)")
     ap.add_argument("--seed", type=int, default=None, help="RL seed (overrides the config)")
@@ -40,7 +46,10 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--schedule", choices=["deterministic", "threaded"], default=None)
     ap.add_argument("--device", choices=[d.value for d in Device], default=None,
                     help="auto (cuda when available), cpu or cuda (overrides the config; default auto)")
-    ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="weight dtype (overrides the config; default float32)")
+    ap.add_argument("--dtype",
+                    choices=[d.value for d in DType], default=None,
+                    help="float32, bfloat16 (weights) or auto (bf16 compute on fp32 weights where the CPU or GPU has "
+                         "native bf16, else fp32); overrides the config; default float32")
     ap.add_argument("--output-dir", default=None, help="default: runs/<preset>")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -50,12 +59,21 @@ def _train(argv: list[str]) -> int:
         cfg = preset(args.preset)
         if args.config:
             cfg = merge_yaml(cfg, args.config)
-        rl = {"variant": args.variant}
-        for key, val in (("steps", args.steps), ("seed", args.seed), ("max_staleness", args.max_staleness), ("schedule", args.schedule)):
-            if val is not None:
-                rl[key] = val
+        from_file = cfg
+        given = (("variant", args.variant), ("steps", args.steps), ("seed", args.seed),
+                 ("max_staleness", args.max_staleness),
+                 ("schedule", args.schedule))
+        rl = {key: val for key, val in given if val is not None}
         runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
-        cfg = preflight(with_overrides(cfg, rl=rl, **runtime))  # and what it needs of this machine
+        cfg = with_overrides(cfg, rl=rl, **runtime)
+        for line in replaced_file_values(args.config, from_file, cfg) if args.config else []:
+            print(f"a3po train: warning: {line}", file=sys.stderr)  # set twice: the option wins, said aloud
+        cfg = preflight(cfg)  # and what it needs of this machine
+        from a3po.data.arithmetic import WORDS
+        from a3po.models.checks import check_model
+
+        # its model's shapes (LoRA targets, memory) without its weights: before the warm start
+        cfg = check_model(cfg, WORDS)
     except ConfigError as e:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
@@ -77,6 +95,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
+    from a3po.algorithms.checks import NonFiniteError
     from a3po.config.preflight import read_deepspeed_json, zero_stage
     from a3po.data.datasets import BadRowError
     from a3po.parallel.ranks import close_ranks, init_ranks
@@ -100,8 +119,17 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     except BadRowError as e:  # a dataset row named by file and line, read before any training
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # the step and what was NaN or inf; nothing of the warm start is saved
+        print(f"a3po train: {e}", file=sys.stderr)
+        return 1
     say(f"warm-start held-out accuracy: {ws_acc:.3f}  ({ws_dir})")
-    bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress or not ranks.is_main, dynamic_ncols=True)
+    from a3po.devices import machine_precision, resolve_device
+
+    precision = machine_precision(cfg.dtype, resolve_device(cfg.device))
+    if not precision.slow:  # the slow case is the library's warning, said once on stderr
+        say(f"precision: {precision.reason}")
+    bar = tqdm(total=cfg.rl.steps, desc=f"{cfg.rl.variant.value}", disable=args.no_progress or not ranks.is_main,
+               dynamic_ncols=True)
 
     def progress(step: int, m: dict[str, float]) -> None:
         bar.n = step
@@ -114,8 +142,16 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
 
     logger = JsonlLogger(run_dir / "metrics.jsonl") if ranks.is_main else NullLogger()
     try:
-        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=logger, progress=progress)
+        result = train_variant(cfg, run_dir, ws_dir, ws_acc, logger=logger, progress=progress, ranks=ranks)
     except CheckpointError as e:  # damaged checkpoints: say which and why, without a traceback
+        bar.close()
+        print(f"a3po train: {e}", file=sys.stderr)
+        return 1
+    except BadRowError as e:  # the data read again for RL (e.g. a warm start cached before a file changed)
+        bar.close()
+        print(f"a3po train: error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:  # the step and what was NaN or inf; the checkpoints before it are left as they are
         bar.close()
         print(f"a3po train: {e}", file=sys.stderr)
         return 1
@@ -131,7 +167,8 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
           f"(RL {result.wall_s:.0f} s, command {wall:.0f} s; run dir {run_dir})")
     # wall_s: the whole command (warm start included); rl_wall_s: the RL loop with its evaluations.
     stage = zero_stage(read_deepspeed_json(ds_path, cfg.rl.grad_clip)) if ds_path else None
-    print(json.dumps({**result.summary(), "rl_wall_s": round(result.wall_s, 2), "wall_s": round(wall, 2), "run_dir": str(run_dir),
+    print(json.dumps({**result.summary(), "rl_wall_s": round(result.wall_s, 2), "wall_s": round(wall, 2),
+                      "run_dir": str(run_dir),
                       "world_size": ranks.world_size, "zero_stage": stage, "rollout_workers": ranks.rollout_workers}))
     return 0
 
@@ -172,20 +209,45 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+# The packages each optional extra of pyproject.toml brings; `pip install -e .` alone trains
+# (`a3po train`), the flows need `pipeline`, lm-eval and hub datasets `eval`.
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "pipeline": ("prefect", "mlflow", "pandas", "matplotlib", "scipy", "psutil"),
+    "eval": ("lm_eval", "datasets"),
+}
+
+
+def missing_extra(module: str) -> str | None:
+    """The extra that brings ``module`` (a dotted name: its top package counts), or None."""
+    top = module.split(".")[0]
+    return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
+
+
+def install_hint(command: str, extra: str, missing: str) -> str:
+    return (f"a3po {command}: needs the '{extra}' extra (not installed: {missing}): "
+            f"pip install -e '.[{extra}]' in the checkout, or pip install 'a3po[{extra}]'")
+
+
 @dataclass(frozen=True)
 class Command:
     summary: str  # one line in `a3po --help`
     run: Callable[[list[str]], int]
+    # Extras checked before the command starts (without importing them); a module of another
+    # extra missing later (`a3po eval --lm-eval`, a benchmark) is named by main() the same way.
+    needs: tuple[str, ...] = ()
 
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train one variant (sync, recompute, loglinear) on a preset or YAML config", _train),
     "eval": Command("evaluate a checkpoint on GSM8K / MATH500 / AIME24", _eval),
-    "compare": Command("compare the variants end to end (Prefect flow, tracked in MLflow)", _compare),
-    "nightly": Command("nightly convergence parity of loglinear vs recompute and sync (exit 1 on fail)", _nightly),
-    "claims": Command("the A-3PO paper's claims on this testbed: paper figure, ours, verdict (Prefect flow)", _claims),
+    "compare": Command("compare the variants end to end (Prefect flow, tracked in MLflow)", _compare, ("pipeline",)),
+    "nightly": Command("nightly convergence parity of loglinear vs recompute and sync (exit 1 on fail)", _nightly,
+                       ("pipeline",)),
+    "claims": Command("the A-3PO paper's claims on this testbed: paper figure, ours, verdict (Prefect flow)", _claims,
+                      ("pipeline",)),
     "bench": Command("run a benchmark of bench/ by name (a3po bench --help lists them)", _bench),
-    "serve": Command("team-mode servers: MLflow on PostgreSQL and the Prefect server (infra/)", _serve),
+    "serve": Command("team-mode servers: MLflow on PostgreSQL and the Prefect server (infra/)", _serve,
+                     ("pipeline",)),
 }
 
 
@@ -205,13 +267,25 @@ def main(argv: list[str] | None = None) -> int:
         got = f"unknown command {argv[0]!r}" if argv else "a command is required"
         print(f"{usage()}\n\na3po: error: {got}", file=sys.stderr)
         return 2
+    command = COMMANDS[argv[0]]
+    for extra in command.needs:
+        absent = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+        if absent:
+            print(install_hint(argv[0], extra, ", ".join(absent)), file=sys.stderr)
+            return 2
     from a3po.storage.runlock import RunFolderBusy
 
     try:
-        return COMMANDS[argv[0]].run(argv[1:])
+        return command.run(argv[1:])
     except RunFolderBusy as e:  # another process writes this run folder: say who, change nothing
         print(f"a3po {argv[0]}: {e}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # a package of an extra, reached only on this command's path
+        extra = missing_extra(e.name or "")
+        if extra is None:
+            raise
+        print(install_hint(argv[0], extra, e.name), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def mask_uri(uri: str) -> str:
     """``uri`` as shown to people (printed, logged, tagged): the userinfo password and the values
     of secret-carrying query parameters replaced by ``***``; the rest kept as written.
 
-    ``postgresql://u:pw@h/db?sslmode=require&password=pw`` -> ``postgresql://u:***@h/db?sslmode=require&password=***``"""
+    ``postgresql://u:pw@h/db?sslmode=require&password=pw``
+    -> ``postgresql://u:***@h/db?sslmode=require&password=***``"""
     parts = urlsplit(uri)
     netloc = parts.netloc
     if "@" in netloc:

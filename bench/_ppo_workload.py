@@ -9,6 +9,7 @@ import argparse
 import torch
 
 from a3po.config import PRESETS, preset, with_overrides
+from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows
 from a3po.models.factory import load_model, load_pretrained
 from bench._peer_venvs import TRL_PPO
@@ -85,6 +86,7 @@ def setting_model(args: argparse.Namespace, cfg):
         ws_dir, _ = prepare_warmstart(ws_cfg, args.warmstart_cache, log=lambda s: None)
         model, tok = load_pretrained(ws_dir)
     else:
-        model, tok = load_model(cfg.model.name, seed=cfg.model.init_seed)  # a built-in size, or the named pretrained model
+        # a built-in size, or the named pretrained model
+        model, tok = load_model(cfg.model.name, seed=cfg.model.init_seed, words=WORDS)
     train, held, _ = load_rows(cfg.data, tok)
     return model, tok, train, held

@@ -35,7 +35,8 @@ from a3po.devices import Device, DType, model_device, resolve_device, sampling_g
 from a3po.models.factory import count_parameters
 from a3po.producer.producer import batch_seed
 from a3po.producer.weight_store import clone_state
-from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import SamplingParams
 from a3po.training.step import train_step
 from bench.prox_logp import with_seeded_rewards
 
@@ -145,7 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_smoke", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="full", help="full: Qwen2.5-0.5B shape (default); small: CPU-sized")
     ap.add_argument("--device", choices=[d.value for d in Device], default="auto", help="auto (cuda when available), cpu, cuda")
-    ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="weights; default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--dtype", choices=[d.value for d in DType if d is not DType.AUTO], default=None,
+                    help="weights; default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (prompts x group size); default 64 full, 16 small")
     ap.add_argument("--group-size", type=int, default=None, help="samples per prompt (must divide --batch); default 4")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per variant (first one untimed); default 4 full, 3 small")

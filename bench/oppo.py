@@ -36,9 +36,10 @@ own, ``.venv-trl-ppo`` (``make setup-trl-ppo``; ``A3PO_TRL_PPO_VENV`` for one el
     python -m bench.oppo --path ppo --preset tiny --warmstart-cache runs/ws-long-tail --steps 12   # + TRL's PPO
     python -m bench.oppo --path ppo --preset smol --steps 6 --max-new-tokens 96 --no-trl           # the pretrained 135M model
 
-On ``smol`` (make setup-smol) the policy is the pretrained SmolLM2-135M-Instruct with no warm start,
-the critic a copy of it (``critic_lr`` 10x the policy's), the reference the frozen start, the
-long tail the word problems' multi-step chains, the grader the preset's.
+On ``smol`` (make setup-smol) the policy is the pretrained SmolLM2-135M-Instruct (its Q4_1 file
+dequantised to float32) with no warm start, the critic a copy of it (``critic_lr`` 10x the
+policy's), the reference the frozen start, the long tail the word problems' multi-step chains,
+the grader the preset's.
 
 Prints a table, then as the very last line one JSON object with the key figures.
 """

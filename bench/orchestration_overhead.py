@@ -78,11 +78,11 @@ def run_direct(cfg, variants: list[str], seed: int, root: Path) -> dict:
 
 
 def run_flow(preset: str, overrides: dict, variants: list[str], seed: int, root: Path, tracking_uri: str) -> dict:
-    from flows.compare_variants import compare_variants
+    from flows.compare_variants import CompareSpec, compare_variants
 
     t0 = time.perf_counter()
-    res = compare_variants(preset=preset, variants=variants, seeds=[seed], overrides=overrides, benchmarks=[], tracking_uri=tracking_uri,
-                           experiment="overhead-bench", output_dir=str(root))
+    res = compare_variants(CompareSpec(preset=preset, variants=variants, seeds=[seed], overrides=overrides, benchmarks=[], tracking_uri=tracking_uri,
+                           experiment="overhead-bench", output_dir=str(root)))
     wall = time.perf_counter() - t0
     runs = res["runs"]
     # library_s no longer holds MLflow calls: the metric shipper runs beside training, in its own thread.

@@ -32,7 +32,8 @@ from a3po.models.factory import TINY_ARCHS, build_tiny_model, count_parameters
 from a3po.models.logprobs import token_logprobs
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import clone_state
-from a3po.rollout.torch_engine import RolloutBatch, RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import RolloutBatch, SamplingParams
 from a3po.training.step import train_step
 
 MIN_BENCH_PARAMS = 5_000_000  # below this a forward pass is too cheap to show what loglinear saves

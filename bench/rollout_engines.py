@@ -35,7 +35,8 @@ from a3po.models.decoders import LlamaLikeDecoder, decoder_for
 from a3po.models.factory import TinyArch, build_tiny_model, count_parameters, load_model
 from a3po.producer.weight_store import clone_state
 from a3po.rollout.engines import ROLLOUT_ENGINES
-from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import SamplingParams
 from bench.gpu_smoke import SIZES, build_random_qwen2
 
 # The tiny preset's sizes with 3 heads of 32 (its 4 heads of 24 have no vLLM CPU attention kernel).
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=[d.value for d in Device], default="auto")
-    ap.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--dtype", choices=[d.value for d in DType if d is not DType.AUTO], default=None,
+                    help="weights (auto: see bench.roofline); default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout_engines: engine {e!r} cannot run here: {why}", file=sys.stderr)
             return 2
     if args.model:
-        model, tok = load_model(args.model, device=device, dtype=dtype.torch)
+        model, tok = load_model(args.model, device=device, dtype=dtype.torch, words=WORDS)
         eos, pad = tok.eos_token_id, tok.pad_token_id
     else:
         model, tok, eos, pad = build_model(args.size, device, dtype.torch)

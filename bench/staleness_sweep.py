@@ -37,7 +37,7 @@ CLAIMS_HERE = ("ttt_vs_recompute", "reward_parity", "behav_iw_extremes", "clippe
 
 def run_bound(bound: int, args: argparse.Namespace, out: Path) -> dict:
     """One bound's comparison, or the one an earlier invocation finished (its summary.json)."""
-    from flows.compare_variants import compare_variants
+    from flows.compare_variants import CompareSpec, compare_variants
     from tasks.claims import check_claims
 
     folder = out / f"staleness-{bound}"
@@ -45,9 +45,9 @@ def run_bound(bound: int, args: argparse.Namespace, out: Path) -> dict:
     if done.exists():
         summary, parent = json.loads(done.read_text()), None
     else:
-        res = compare_variants(preset=args.preset, variants=["recompute", "loglinear"], seeds=args.seeds, steps=args.steps,
+        res = compare_variants(CompareSpec(preset=args.preset, variants=["recompute", "loglinear"], seeds=args.seeds, steps=args.steps,
                                max_staleness=bound, benchmarks=[], tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
-                               experiment=f"staleness-{bound}", output_dir=str(folder))
+                               experiment=f"staleness-{bound}", output_dir=str(folder)))
         summary, parent = res["summary"], res["parent_run_id"]
     if not args.keep_checkpoints:  # a finished comparison needs none; a 135M model's are ~3 GB each
         for ckpt in folder.glob("*/checkpoints"):
@@ -60,6 +60,16 @@ def run_bound(bound: int, args: argparse.Namespace, out: Path) -> dict:
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
+
+
+def _verdict(verdict: str, seeds: int) -> str:
+    """A claim's verdict as printed: from one seed a rule holding or failing settles nothing, so
+    there it reads "1 seed: consistent" or "1 seed: not settled", never "reproduced"."""
+    from tasks.claims import NOT_REPRODUCED, REPRODUCED
+
+    if seeds > 1:
+        return verdict
+    return {REPRODUCED: "1 seed: consistent", NOT_REPRODUCED: "1 seed: not settled"}.get(verdict, verdict)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['bound']:>5} {variant:<10} " + " ".join(f"{_fmt(figs[k]):>18}" for k, _ in FIGURES))
     print(f"\n{'bound':>5} " + " ".join(f"{c:>18}" for c in CLAIMS_HERE))
     for r in results:
-        print(f"{r['bound']:>5} " + " ".join(f"{r['claims'].get(c, '-'):>18}" for c in CLAIMS_HERE))
+        print(f"{r['bound']:>5} " + " ".join(f"{_verdict(r['claims'].get(c, '-'), len(args.seeds)):>18}" for c in CLAIMS_HERE))
     print(json.dumps({"bench": "staleness_sweep", "preset": args.preset, "seeds": args.seeds, "steps": args.steps, "output_dir": str(out),
                       "results": results}), flush=True)
     return 0

@@ -30,7 +30,8 @@ from a3po.data.datasets import load_rows
 from a3po.devices import model_device, sampling_generator
 from a3po.models.factory import load_pretrained
 from a3po.models.logprobs import token_logprobs
-from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import SamplingParams
 from a3po.training.run import prepare_warmstart
 
 SETTINGS = [("rows", False), ("rows", True), ("groups", False), ("groups", True)]

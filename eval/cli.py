@@ -14,6 +14,7 @@ tasks on the same model and data and adds their figures under ``lm_eval/``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=d.top_p, help="for the sampled completions")
     p.add_argument("--k", default="", help="comma-separated k for pass@k (default: powers of two up to n-samples)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass@1 decode")
-    p.add_argument("--template", default="auto", help="prompt template: auto | chat | plain | raw")
+    p.add_argument("--template", default="auto", help="prompt template: auto | chat | qa | raw")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--grading-timeout", type=float, default=5.0, help="seconds per math-verify comparison")
     p.add_argument("--lm-eval", action="store_true", help="also run lm-eval's own tasks on the same model and data")
@@ -86,6 +87,10 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.lm_eval and importlib.util.find_spec("lm_eval") is None:  # before the evaluation, not after it
+        print("a3po eval: error: --lm-eval needs the 'eval' extra (lm-eval is not installed): "
+              "pip install -e '.[eval]' in the checkout, or pip install 'a3po[eval]'", file=sys.stderr)
+        return 2
     from a3po import grading
     from eval.prompts import PromptConfig
     from eval.runner import EvalConfig, load_model, run_eval

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from a3po.registry import Registry
-from a3po.storage.utf8_lines import json_lines, undecodable
+from a3po.storage.utf8_lines import json_lines, undecodable, unencodable
 
 FIXTURES_DIR = Path(__file__).with_name("fixtures")
 
@@ -143,6 +143,9 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
         if not isinstance(rows, list):
             raise SchemaError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
         for i, row in enumerate(rows, start=1):
+            problem = unencodable(row)  # a "\\ud800" escape: valid JSON, not UTF-8 text
+            if problem is not None:
+                raise SchemaError(f"{path}: row {i}: {problem}")
             yield i, row
         return
     for lineno, row, problem in json_lines(path):  # each line decoded on its own: bad bytes name their row

@@ -5,9 +5,10 @@ answer in ``\\boxed{}`` (what the grader looks for first). The chat rendering is
 formats training prompts (``a3po.data.prompts.format_prompt``): a policy trained with
 ``data.prompt_format: auto`` (or ``chat``) and ``data.instruction`` set to the instruction below
 sees identical prompts in training and on the benchmarks. Otherwise a tokenizer without a chat template
-(a base model, the in-code tiny tokenizer) gets a plain "Question: ... Answer:" layout with the
+(a base model, the in-code tiny tokenizer) gets the ``qa`` layout, "Question: ... Answer:", with the
 same instruction. ``auto`` picks between the two; ``raw`` passes the prompt through unchanged
-(the embedded arithmetic task stores ready-made prompts). Templates are registered by name.
+(the embedded arithmetic task stores ready-made prompts; training's ``data.prompt_format: plain``
+is that text with the instruction). Templates are registered by name.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer wit
 @dataclass(frozen=True)
 class PromptConfig:
     template: str = "auto"
-    """Template name: auto | chat | plain | raw (see TEMPLATES)."""
+    """Template name: auto | chat | qa | raw (see TEMPLATES)."""
     instruction: str = DEFAULT_INSTRUCTION
     """Appended to the problem; it names the answer format the grader reads first."""
     system: str | None = None
     """Optional system message (chat template only)."""
 
     def __post_init__(self) -> None:
+        if self.template == "plain":  # the name of `qa` before training's `plain` (the text unchanged) took it
+            raise ValueError("prompt template 'plain' is now 'qa' (\"Question: ... Answer:\"); "
+                             "'raw' passes the problem unchanged")
         TEMPLATES.get(self.template)  # an unknown name raises here, listing the valid ones
 
 
@@ -43,8 +47,8 @@ def chat_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
     return format_prompt(problem, tokenizer, "chat", cfg.instruction, cfg.system)
 
 
-@TEMPLATES.register("plain")
-def plain_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
+@TEMPLATES.register("qa")
+def qa_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
     instruction = f"{cfg.instruction}\n" if cfg.instruction else ""
     return f"Question: {problem}\n{instruction}Answer: "
 
@@ -56,7 +60,7 @@ def raw_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
 
 @TEMPLATES.register("auto")
 def auto_prompt(problem: str, tokenizer: Any, cfg: PromptConfig) -> str:
-    return (chat_prompt if has_chat_template(tokenizer) else plain_prompt)(problem, tokenizer, cfg)
+    return (chat_prompt if has_chat_template(tokenizer) else qa_prompt)(problem, tokenizer, cfg)
 
 
 def render(problem: str, tokenizer: Any, cfg: PromptConfig = PromptConfig()) -> str:

@@ -101,14 +101,16 @@ def load_model(spec: str):
     """``(model, tokenizer, name)`` for ``spec``: a built-in size such as ``tiny`` (a random
     model over the embedded task's vocabulary, for offline smoke runs) or a local checkpoint /
     hub name (``a3po.models.factory.load_model``, as training loads them)."""
+    from a3po.data.arithmetic import WORDS
     from a3po.models.factory import load_model as load
 
-    model, tokenizer = load(spec)
+    model, tokenizer = load(spec, words=WORDS)
     return model, tokenizer, str(spec)
 
 
 def _generate(model, tokenizer, prompts: list[str], cfg: EvalConfig, sampled: bool) -> list[str]:
-    from a3po.rollout.torch_engine import SamplingParams, generate_text
+    from a3po.rollout.torch_engine import generate_text
+    from a3po.rollout.types import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -159,6 +161,27 @@ def evaluate_records(model, tokenizer, benchmark: str, records: list[EvalRecord]
     return metrics, items
 
 
+# Bytes a graded completion holds until the results are written, besides its characters: its
+# record (a dict of a dozen fields), its str object and three list slots. A lower bound.
+COMPLETION_BYTES = 512
+
+
+def check_sample_memory(bench: str, n_problems: int, cfg: EvalConfig, held: int = 0, total: int | None = None) -> None:
+    """ValueError naming ``n_samples`` (``a3po eval --n-samples``) when the completions of
+    ``n_problems`` problems (with ``held`` kept from earlier benchmarks) cannot fit in this
+    machine's RAM: every completion is kept until the results are written."""
+    import torch
+
+    from a3po.models.checks import GIB, machine_memory
+
+    total = total if total is not None else machine_memory(torch.device("cpu"))[0]
+    count = held + n_problems * (cfg.n_samples + int(cfg.greedy))
+    need = count * (COMPLETION_BYTES + cfg.max_new_tokens)
+    if need > total:
+        raise ValueError(f"n_samples {cfg.n_samples} (--n-samples) x {n_problems} problems of {bench}: {count} completions need at "
+                         f"least {need / GIB:.3g} GiB, more than the {total / GIB:.3g} GiB of RAM here; lower it or --limit")
+
+
 def run_eval(
     model_spec: str | tuple[Any, Any],
     benchmarks: Sequence[str],
@@ -180,6 +203,7 @@ def run_eval(
     all_items: list[dict] = []
     for bench in benchmarks:
         records = load_benchmark(bench, data_dir if BENCHMARKS.get(bench).generate is None else None, limit=cfg.limit)
+        check_sample_memory(bench, len(records), cfg, held=len(all_items))
         metrics, items = evaluate_records(model, tokenizer, bench, records, cfg)
         results["benchmarks"][bench] = metrics
         all_items.extend(items)

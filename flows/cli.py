@@ -1,6 +1,6 @@
 """The command line the comparison flows share: ``--set`` overrides, the options of a
-:class:`flows.common.ComparisonSpec`, the launch options, and :func:`run_flow` (checks first,
-then the Prefect server, then the flow).
+:class:`flows.common.ComparisonSpec`, the launch options, and :func:`run_flow` (the flow's spec
+built from the options and checked first, then the Prefect server, then the flow).
 
 Every check that can fail on the user's input runs before the temporary Prefect server starts,
 so a typo costs one line on stderr and exit status 2, not a server start-up.
@@ -20,9 +20,21 @@ from a3po.devices import Device, DType
 from a3po.storage.runlock import RunFolderBusy, hold_run_folder
 from flows.common import ComparisonSpec
 from infra.launch import LaunchMode, launch_spec
-from tasks.arms import parse_arm
+from tasks.arms import Arm
 from tasks.runtime import default_tracking_uri, prefect_api
 from tasks.tracking import TrackingUnreachable, probe_tracking
+
+# pydantic error types whose message does not repeat the value given: the line adds it.
+_SAYS_NOT_THE_VALUE = {"enum", "literal_error", "int_parsing", "int_from_float", "float_parsing", "bool_parsing",
+                       "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def option_error(err: dict[str, Any]) -> str:
+    """One pydantic error of a spec as the line a person reads: the option, what is wrong and the value given."""
+    option = "--" + str(err["loc"][0]).replace("_", "-")
+    msg = err["msg"].removeprefix("Value error, ")  # a validator's own sentence needs no pydantic prefix
+    got = f", got {err['input']!r}" if err["type"] in _SAYS_NOT_THE_VALUE else ""
+    return f"{option}: {msg}{got}"
 
 
 def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -47,7 +59,7 @@ def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, An
             if section != "rl":
                 usage_error(f"--set {item!r}: per-variant overrides are rl fields only")
             try:
-                parse_arm(variant)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
+                Arm.parse(variant)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
             except ValueError as e:
                 usage_error(f"--set {item!r}: {e}")
             per_variant.setdefault(variant, {})[field] = value
@@ -74,6 +86,14 @@ def usage_error(message: str) -> NoReturn:
 def csv(s: str, cast: Callable[[str], Any] = str) -> list:
     """``"0,1,,2"`` -> ``[0, 1, 2]`` with ``cast=int``; empty items are dropped (``""`` -> ``[]``)."""
     return [cast(x) for x in s.split(",") if x.strip()]
+
+
+def int_csv(s: str, option: str) -> list[int]:
+    """:func:`csv` of integers; anything else is a usage error naming ``option`` (not a traceback)."""
+    try:
+        return csv(s, int)
+    except ValueError:
+        usage_error(f"{option}: expected comma-separated integers, got {s!r}")
 
 
 def add_comparison_args(ap: argparse.ArgumentParser, defaults: type[ComparisonSpec]) -> None:
@@ -134,7 +154,7 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
 def launch_from_args(args: argparse.Namespace) -> str | dict[str, Any]:
     """The flows' ``launch`` parameter from the flags: the mode name, or a dict of the fields given."""
     fields = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
-              "nodes": csv(args.launch_nodes, int) if args.launch_nodes else None, "master_addr": args.master_addr,
+              "nodes": int_csv(args.launch_nodes, "--launch-nodes") if args.launch_nodes else None, "master_addr": args.master_addr,
               "master_port": args.master_port, "hostfile": args.launch_hostfile, "num_nodes": args.num_nodes,
               "num_gpus": args.num_gpus, "include": args.launch_include, "devices": args.launch_devices, "zero_stage": args.zero_stage}
     given = {k: v for k, v in fields.items() if v is not None}
@@ -149,11 +169,14 @@ def launch_from_args(args: argparse.Namespace) -> str | dict[str, Any]:
 
 
 def comparison_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The flows' shared keyword arguments (the fields of a ComparisonSpec) from the options."""
+    """The fields of a ComparisonSpec from the options (a flow's spec adds its own)."""
     overrides, per_variant = parse_sets(args.set)
-    overrides.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None})
+    for key, value in (("device", args.device), ("dtype", args.dtype)):
+        if value is not None and overrides.get(key, value) != value:  # given twice: no order between them is natural
+            usage_error(f"{key} is given twice, {overrides[key]!r} by --set and {value!r} by --{key}: give it once")
+        overrides.update({key: value} if value is not None else {})
     return dict(
-        preset=args.preset, config=args.config, model=args.model, dataset=args.dataset, task=args.task, seeds=csv(args.seeds, int),
+        preset=args.preset, config=args.config, model=args.model, dataset=args.dataset, task=args.task, seeds=int_csv(args.seeds, "--seeds"),
         steps=args.steps, max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every, overrides=overrides or None,
         variant_overrides=per_variant or None, torch_threads=args.torch_threads, benchmarks=csv(args.benchmarks),
         bench_limit=args.bench_limit or None, bench_max_new_tokens=args.bench_max_new_tokens, data_dir=args.data_dir,
@@ -163,18 +186,18 @@ def comparison_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def run_flow(name: str, flow: Callable[..., dict[str, Any]], spec_type: type[ComparisonSpec], shared: dict[str, Any], own: dict[str, Any],
-             check: Callable[[ComparisonSpec], None] = lambda spec: None) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:
-    """``(exit status, flow result, Prefect API info)`` of ``flow(**shared, **own)``, after the
-    checks that need no server: the spec and ``check(spec)`` (the configs; a ValueError exits
-    2), the tracking store's probe (exit 1) and the output folder (held by another run: exit 1).
-    Errors are one line on stderr."""
+def run_flow(name: str, flow: Callable[[Any], dict[str, Any]], spec_type: type[ComparisonSpec], shared: dict[str, Any], own: dict[str, Any],
+             check: Callable[[Any], None] = lambda spec: None) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:
+    """``(exit status, flow result, Prefect API info)`` of ``flow(spec)``, the spec built from
+    the shared and the flow's own options, after the checks that need no server: the spec and
+    ``check(spec)`` (the configs; a ValueError exits 2), the tracking store's probe (exit 1) and
+    the output folder (held by another run: exit 1). Errors are one line on stderr."""
     try:
-        spec = spec_type(**shared)
+        spec = spec_type(**shared, **own)
         check(spec)
     except ValidationError as e:  # one line per field, named as its option
         for err in e.errors():
-            print(f"error: --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", file=sys.stderr)
+            print(f"error: {option_error(err)}", file=sys.stderr)
         return 2, None, None
     except ValueError as e:  # ConfigError, a spec field, an arm, or a launch that does not fit the config
         print(f"error: {e}", file=sys.stderr)
@@ -189,7 +212,7 @@ def run_flow(name: str, flow: Callable[..., dict[str, Any]], spec_type: type[Com
     out = spec.output_folder()
     try:
         with hold_run_folder(out), prefect_api() as api:
-            return 0, flow(**{**shared, **own, "output_dir": str(out)}), api
+            return 0, flow(spec.model_copy(update={"output_dir": str(out)})), api
     except RunFolderBusy as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1, None, None

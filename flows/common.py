@@ -1,6 +1,8 @@
 """The skeleton the comparison flows share (compare_variants, nightly_parity, paper_claims).
 
-Each flow is: its :class:`ComparisonSpec` (checked when built) -> the base config -> the output
+Each flow takes one typed parameter, its spec: a :class:`ComparisonSpec` extended with the flow's
+own fields (checked when built, naming the field; Prefect renders it as the deployment's run form
+and validates it before the flow starts). Each flow is: its spec -> the base config -> the output
 folder held for the whole flow run -> the MLflow parent run (:func:`parent_run`, closed FAILED
 or FINISHED) -> :func:`run_comparison` (train and evaluate every arm x seed) -> links and
 summary (:func:`compare_and_summarise`) -> the flow's own judgement -> the parent run's metrics.
@@ -13,26 +15,31 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from a3po.config import TrainConfig, config_to_dict, merge_yaml, with_overrides
+from a3po.config import ConfigError, TrainConfig, config_to_dict, merge_yaml, with_overrides
 from a3po.config import preset as load_preset
+from a3po.config.loading import file_fields, replaced_file_values
 from a3po.redact import mask_uri
 from a3po.storage.runlock import hold_run_folder
 from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 from infra.launch import LaunchSpec, launch_spec
-from tasks.arms import arm_config, arm_name, parse_arm
+from tasks.arms import Arm
+from tasks.child_run import topology_tags
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
+from tasks.description import describe_parent_run
 from tasks.evaluation import evaluate_checkpoint
 from tasks.links import tag_run_links
+from tasks.pictures import log_run_pictures
 from tasks.runtime import default_tracking_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
 from tasks.tracking import TrackingRef, close_parent_run, close_parent_run_quietly, open_parent_run, probe_tracking
-from tasks.training import WarmStart, run_dir_for, topology_tags, warm_start, warmstart_ready
+from tasks.training import WarmStart, run_dir_for, warm_start, warmstart_ready
 
 
 def default_data_dir() -> str:
@@ -42,36 +49,61 @@ def default_data_dir() -> str:
 
 class ComparisonSpec(BaseModel):
     """What every comparison flow is given besides its own judgement: the config, the seeds, the
-    benchmarks, where results and tracking go, and how training is launched. Unknown or
-    ill-typed fields raise when the spec is built, naming the field."""
+    benchmarks, where results and tracking go, and how training is launched. Each flow's spec
+    extends it with the flow's own fields and defaults. Unknown or ill-typed fields raise when the
+    spec is built, naming the field."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
     default_output_dir: ClassVar[str] = "runs/compare-{preset}"  # '{preset}' and '{date}' (UTC) are filled in
 
-    preset: str = "tiny"  # built-in config: tiny (learns in minutes on CPU) or micro (seconds, plumbing only)
-    config: str | None = None  # YAML TrainConfig laid over the preset
-    model: str | None = None  # built-in arch or HF path (model.name)
-    dataset: str | None = None  # folder with train.jsonl and heldout.jsonl
-    task: str | None = None  # grading task of the dataset (data.task)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)  # RL seeds, paired across arms
-    steps: int | None = Field(default=None, ge=1)  # rl.steps
-    max_staleness: int | None = Field(default=None, ge=0)  # rl.max_staleness
-    checkpoint_every: int | None = Field(default=None, ge=1)  # rl.checkpoint_every
-    overrides: dict[str, Any] | None = None  # {section: {field: value}} for every arm
-    variant_overrides: dict[str, dict[str, Any]] | None = None  # {variant or arm: {rl_field: value}}
-    torch_threads: int | None = Field(default=None, ge=1)  # the config's torch_threads
-    benchmarks: list[str] = Field(default_factory=list)  # evaluated on each final checkpoint
-    bench_limit: int | None = Field(default=50, ge=1)  # first N problems of each benchmark (None: all)
+    preset: str = "tiny"
+    """Built-in config: tiny (learns in minutes on CPU), micro (seconds, plumbing only), ... (a3po.config.PRESETS)."""
+    config: str | None = None
+    """YAML TrainConfig laid over the preset."""
+    model: str | None = None
+    """model.name: a built-in architecture or a Hugging Face model folder / hub name."""
+    dataset: str | None = None
+    """A folder with train.jsonl and heldout.jsonl (default: the preset's task)."""
+    task: str | None = None
+    """data.task: the grading task of the dataset (arith, gsm8k, math500, aime24)."""
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """RL seeds, paired across arms (each arm runs once per seed)."""
+    steps: int | None = Field(default=None, ge=1)
+    """rl.steps: RL steps per run (default: the config's)."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """rl.max_staleness: the staleness bound of the asynchronous variants."""
+    checkpoint_every: int | None = Field(default=None, ge=1)
+    """rl.checkpoint_every: atomic checkpoint period in steps."""
+    overrides: dict[str, Any] | None = None
+    """Config overrides for every arm: {section: {field: value}}."""
+    variant_overrides: dict[str, dict[str, Any]] | None = None
+    """Per-arm rl overrides: {variant or arm name: {rl_field: value}}."""
+    torch_threads: int | None = Field(default=None, ge=1)
+    """The config's torch_threads (default: the config's)."""
+    benchmarks: list[str] = Field(default_factory=list)
+    """Benchmarks evaluated on the step-0 and each final checkpoint (gsm8k, math500, aime24)."""
+    bench_limit: int | None = Field(default=50, ge=1)
+    """First N problems of each benchmark (None: all)."""
     bench_max_new_tokens: int = Field(default=64, ge=1)
-    data_dir: str | None = None  # benchmark files (default: default_data_dir())
-    tracking_uri: str | None = None  # MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db)
+    """Generation budget per benchmark problem."""
+    data_dir: str | None = None
+    """Benchmark files, <dir>/<name>/test.jsonl (default $A3PO_SHARED_DATA or ../shared/data; absent: skipped)."""
+    tracking_uri: str | None = None
+    """MLflow store (default $MLFLOW_TRACKING_URI or sqlite ./mlflow.db)."""
     experiment: str = "a3po-compare"
-    output_dir: str | None = None  # default: default_output_dir
-    cache_dir: str | None = None  # dataset and warm-start cache (default <output_dir>/cache)
-    target_fraction: float = Field(default=TARGET_FRACTION, gt=0, le=1)  # tasks.summary
-    smooth_frac: float = Field(default=SMOOTH_FRAC, gt=0, le=1)  # tasks.summary
+    """MLflow experiment of the parent and child runs."""
+    output_dir: str | None = None
+    """Run folders and summary; re-running resumes. '{preset}' and '{date}' (UTC) are filled in."""
+    cache_dir: str | None = None
+    """Dataset and warm-start cache (default: the output dir's cache/ folder)."""
+    target_fraction: float = Field(default=TARGET_FRACTION, gt=0, le=1)
+    """Reward target: first-step reward + this fraction of the best arm's gain (tasks.summary)."""
+    smooth_frac: float = Field(default=SMOOTH_FRAC, gt=0, le=1)
+    """Fraction of the steps the final reward is averaged over (tasks.summary)."""
     system_metrics_interval_s: float = Field(default=10.0, gt=0)
-    launch: str | dict[str, Any] = "local"  # "local" or LaunchSpec fields (infra.launch)
+    """Seconds between MLflow system-metric samples."""
+    launch: str | dict[str, Any] = "local"
+    """How training starts: 'local' (in-process) or LaunchSpec fields, e.g. {mode: torchrun, nproc_per_node: 2} (infra.launch)."""
 
     @field_validator("launch")
     @classmethod
@@ -79,22 +111,28 @@ class ComparisonSpec(BaseModel):
         launch_spec(value)  # raises naming the LaunchSpec field
         return value
 
+    @field_validator("seeds")
+    @classmethod
+    def _seeds_once(cls, value: list[int]) -> list[int]:
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:  # one run per arm and seed: a repeat would be counted as a seed it is not
+            raise ValueError(f"seeds repeat {repeated}: each seed is one paired run per arm; give each once")
+        return value
+
     @field_validator("variant_overrides")
     @classmethod
     def _keys_are_arms(cls, value: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
         for name in value or {}:
-            parse_arm(name)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
+            Arm.parse(name)  # a variant (all its arms) or one arm, e.g. loglinear+oppo-inter
         return value
 
-    @classmethod
-    def of_flow(cls, values: dict[str, Any]) -> "ComparisonSpec":
-        """The spec from a flow's parameters (its ``locals()`` on entry: the flows keep flat
-        parameters, so deployments and callers name them as before); the flow's own are left out."""
-        return cls(**{k: v for k, v in values.items() if k in cls.model_fields})
-
     def train_config(self) -> TrainConfig:
-        return build_config(self.preset, self.config, self.model, self.dataset, self.task, self.steps, self.max_staleness,
+        base = build_config(self.preset, self.config, self.model, self.dataset, self.task, self.steps, self.max_staleness,
                             self.checkpoint_every, self.overrides, self.torch_threads)
+        if self.config and "rl.seed" in file_fields(self.config) and [base.rl.seed] != list(self.seeds):
+            # Every run takes its seed from the comparison's seeds: the file's is replaced, said aloud.
+            warn_once(f"rl.seed: {base.rl.seed} from {self.config} is replaced by the comparison's seeds {list(self.seeds)} (--seeds)")
+        return base
 
     def output_folder(self) -> Path:
         """'{date}' gives each scheduled run its own folder (a re-run the same day resumes)."""
@@ -124,33 +162,59 @@ def build_config(
     torch_threads: int | None = None,
 ) -> TrainConfig:
     """The base config of a comparison: preset, then YAML, then explicit values (invalid
-    combinations raise here, before anything runs)."""
+    combinations raise here, before anything runs). A field set twice is never silently
+    replaced: by ``overrides`` and by its own parameter (``--set rl.steps=3 --steps 5``) it is
+    refused, as no order between them is natural; by the YAML and an explicit value, the explicit
+    one wins with a warning naming both."""
     cfg = load_preset(preset)
     if config:
         cfg = merge_yaml(cfg, config)
     sections: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (overrides or {}).items()}
+
+    def give(dotted: str, value: Any, option: str) -> None:
+        *path, field = dotted.split(".")
+        d = sections
+        for part in path:
+            d = d.setdefault(part, {})
+        if field in d and d[field] != value:
+            raise ConfigError(f"{dotted} is given twice, {d[field]!r} in overrides (--set) and {value!r} as {option}: give it once")
+        d[field] = value
+
     if model:
-        sections.setdefault("model", {})["name"] = model
+        give("model.name", model, "model (--model)")
     if dataset:
-        d = Path(dataset)
-        sections.setdefault("data", {}).update({"train_path": str(d / "train.jsonl"), "heldout_path": str(d / "heldout.jsonl")})
+        give("data.train_path", str(Path(dataset) / "train.jsonl"), "dataset (--dataset)")
+        give("data.heldout_path", str(Path(dataset) / "heldout.jsonl"), "dataset (--dataset)")
     if task:
-        sections.setdefault("data", {})["task"] = task
-    rl = sections.setdefault("rl", {})
+        give("data.task", task, "task (--task)")
     for key, val in (("steps", steps), ("max_staleness", max_staleness), ("checkpoint_every", checkpoint_every)):
         if val is not None:
-            rl[key] = val
+            give(f"rl.{key}", val, f"{key} (--{key.replace('_', '-')})")
     if torch_threads:
-        sections["torch_threads"] = torch_threads
-    return with_overrides(cfg, **sections)
+        give("torch_threads", torch_threads, "torch_threads (--torch-threads)")
+    final = with_overrides(cfg, **sections)
+    for line in replaced_file_values(config, cfg, final) if config else []:
+        warn_once(line)
+    return final
 
 
-def variant_config(base: TrainConfig, arm: str, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
-    """The config of one arm (a variant, or ``<variant>+oppo-<mode>``: tasks.arms) and seed;
-    ``variant_overrides`` keyed by the variant apply to all its arms, keyed by the arm to that one."""
+_WARNED: set[str] = set()
+
+
+def warn_once(line: str) -> None:
+    """``line`` on stderr as a warning, once per process (the base config is built by every check
+    and again by the flow)."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def variant_config(base: TrainConfig, arm: Arm, seed: int, variant_overrides: dict[str, dict[str, Any]] | None) -> TrainConfig:
+    """The config of one arm (tasks.arms) and seed; ``variant_overrides`` keyed by the variant
+    apply to all its arms, keyed by an arm's name to that one."""
     vo = variant_overrides or {}
-    variant, _ = parse_arm(arm)
-    return arm_config(base, arm, seed, {**vo.get(variant, {}), **(vo.get(arm, {}) if arm != variant else {})})
+    own = {} if arm.name == arm.variant.value else vo.get(arm.name, {})
+    return arm.config(base, seed, {**vo.get(arm.variant.value, {}), **own})
 
 
 def parent_params(cfg: TrainConfig, **flow_values: Any) -> dict[str, Any]:
@@ -191,16 +255,16 @@ def run_comparison(
     base: TrainConfig,
     tracking: TrackingRef,
     output_dir: Path,
-    arms: list[str],
+    arms: list[Arm],
     launch: LaunchSpec | None = None,
     fanout_deployment: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per arm x seed (``spec.seeds``), trained and evaluated from one warm start.
     ``launch`` (not local): each training runs as ranks of ``python -m a3po.cli train``
-    (tasks.training.train_launched). ``fanout_deployment``: each arm x seed runs as a run of that
+    (tasks.launched.train_launched). ``fanout_deployment``: each arm x seed runs as a run of that
     ``train-one`` deployment, all submitted at once, on the workers of its pool
-    (flows.train_one); else here, in turn. ``arms`` (tasks.arms): ``loglinear``,
-    ``loglinear+oppo-inter``, ...; each record's ``arm`` is the name of the config that ran."""
+    (flows.train_one); else here, in turn. ``arms``: tasks.arms.Arm; each record's ``arm`` is
+    the name of the config that ran (:attr:`tasks.arms.Arm.name`)."""
     cache_dir = spec.cache_folder(output_dir)
     data_dir = spec.data_dir if spec.data_dir is not None else default_data_dir()
     # Cached by input hashes; a cache folder deleted by hand refreshes the record instead.
@@ -215,7 +279,7 @@ def run_comparison(
     step0 = step0_benchmarks(ws, base, spec, data_dir, cache_dir)
     if fanout_deployment:
         return [{**r, "step0_eval": step0} for r in fan_out(fanout_deployment, [
-            (f"{arm_name(cfg)} seed {cfg.rl.seed}", run_dir,
+            (f"{Arm.of(cfg).name} seed {cfg.rl.seed}", run_dir,
              # The store's secrets stay out of Prefect's flow-run parameters: each worker reads its own (flows.train_one).
              dict(config=config_to_dict(cfg), run_dir=run_dir, warmstart=dataclasses.asdict(ws),
                   tracking={**dataclasses.asdict(tracking), "tracking_uri": mask_uri(tracking.tracking_uri)},
@@ -233,11 +297,14 @@ def step0_benchmarks(ws: WarmStart, base: TrainConfig, spec: ComparisonSpec, dat
     return {k.replace("eval/final/", "eval/step0/", 1): v for k, v in ev["metrics"].items() if k.startswith("eval/final/")}
 
 
-def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[str], launch: LaunchSpec | None = None,
+def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[Arm], launch: LaunchSpec | None = None,
                           fanout_deployment: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """``(records, links, summary)``: the comparison, its links tagged on the parent run, and
-    its summary (table, speedups, plots) written under ``<out>/summary``."""
+    """``(records, links, summary)``: the comparison, its links tagged on the parent run, its
+    summary (table, speedups, plots) written under ``<out>/summary`` and set as the parent run's
+    Description (a flow with a verdict sets it again, verdict first), and each child run's pictures."""
     records = run_comparison(spec, base, ref, out, arms, launch=launch, fanout_deployment=fanout_deployment)
     links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
     summary = summarise(records, str(out / "summary"), spec.target_fraction, spec.smooth_frac)
+    log_run_pictures(ref, records)
+    describe_parent_run(ref, summary, records, links)
     return records, links, summary

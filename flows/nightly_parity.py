@@ -33,16 +33,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from prefect import flow, get_run_logger
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
+from a3po.config import Variant
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
-from tasks.arms import arm_config, arm_name
+from tasks.arms import Arm
+from tasks.description import describe_parent_run
+from tasks.launched import launch_for_config
 from tasks.links import RunLinks
 from tasks.parity import (
     METRICS,
@@ -51,29 +54,69 @@ from tasks.parity import (
     RULES,
     ParityResult,
     calibration_for,
+    check_references,
     decide_parity,
     earlier_nights,
     parity_metrics,
     report_markdown,
     trend_verdict,
 )
-from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
-from tasks.training import launch_for_config
+from tasks.verdicts import all_pass
 
 
 class NightlySpec(ComparisonSpec):
-    """A nightly parity run's shared parameters, with this flow's defaults: K = 6 seeds, the
-    preset's nightly budget of RL steps (tasks.parity.NIGHTLY_STEPS) where neither the steps nor
-    a config are given, no benchmarks, a folder per UTC date."""
+    """A nightly parity run: the shared fields (:class:`flows.common.ComparisonSpec`) with this
+    flow's defaults (K = 6 seeds, the preset's nightly budget of RL steps, tasks.parity.NIGHTLY_STEPS,
+    where neither the steps nor a config are given, no benchmarks, a folder per UTC date) and the
+    parity decision's own fields (see tasks.parity)."""
 
     default_output_dir: ClassVar[str] = "runs/nightly/{date}"
-    seeds: list[int] = Field(default_factory=lambda: list(NIGHTLY_SEEDS), min_length=1)
-    experiment: str = "a3po-nightly"
+    # Descriptions as Field(description=...), not attribute docstrings: Prefect reads a deployment's
+    # parameters from this file without importing it, where the docstrings cannot be found.
+    seeds: list[int] = Field(default_factory=lambda: list(NIGHTLY_SEEDS), min_length=1, description=(
+        "RL seeds, paired across arms (the nightly budget: K = 6)."))
+    experiment: str = Field(default="a3po-nightly", description="MLflow experiment of the parent and child runs.")
+    candidate: Arm = Field(default=Arm(variant=Variant.LOGLINEAR), description=(
+        "The arm judged (tasks.arms): a variant, or `VARIANT+oppo-MODE` to compare OPPO on with off (candidate "
+        "`loglinear+oppo-inter`, references `[loglinear]`); a name is read as its arm."))
+    references: list[Arm] = Field(default_factory=lambda: [Arm(variant=Variant.RECOMPUTE), Arm(variant=Variant.SYNC)],
+                                  description="The arms the candidate must not fall short of.")
+    metric: Literal[METRICS] = Field(default="final_reward", description=(
+        "final_reward (mean training reward over the last smooth_frac of steps) or final_acc."))
+    tolerance: float = Field(default=0.1, ge=0, allow_inf_nan=False, description=(
+        "Largest acceptable shortfall of the candidate, in the metric's units (rule noninferiority)."))
+    rule: Literal[(*RULES, "auto")] = Field(default="auto", description=(
+        "shortfall: a one-sided z-test of the candidate's per-seed difference to the references' mean against the "
+        "healthy candidate's (healthy_mean and noise_sd measured on calibration_seeds seeds by bench.nightly_power; "
+        "false alarms at 1 - confidence); noninferiority: the paired bootstrap per reference with tolerance; auto: "
+        "shortfall with the recorded calibration where the setting has one (the preset as shipped), else noninferiority."))
+    # Every bound is checked when the spec is built, before anything trains (a bad value found
+    # after training would exit 1, the status of a real parity failure).
+    noise_sd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    healthy_mean: float | None = Field(default=None, allow_inf_nan=False)
+    calibration_seeds: int | None = Field(default=None, ge=2)  # the t quantile needs N - 1 >= 1 degrees of freedom
+    # Of the paired bootstrap, and the shortfall rule's false-alarm rate 1 - confidence (a one-sided
+    # test below 0.5 would fail a healthy candidate more often than not).
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)
+    n_boot: int = Field(default=10_000, ge=100, le=1_000_000)  # bootstrap resamples (memory: n_boot x seeds)
+    history: int = Field(default=14, ge=0, le=1000)  # earlier nights in the trend
+    fail_on_regression: bool = Field(default=False, description=(
+        "Raise ParityRegression on a fail verdict so the Prefect flow run ends Failed (the deployments set it; the "
+        "command line exits 1 instead)."))
+
+    @field_validator("references")
+    @classmethod
+    def _something_to_compare(cls, value: list[Arm], info: ValidationInfo) -> list[Arm]:
+        candidate = info.data.get("candidate")
+        check_references(candidate.name if candidate else "?", [r.name for r in value])  # none, itself, or repeated
+        return value
 
     @model_validator(mode="before")
     @classmethod
-    def _nightly_budget(cls, values: dict[str, Any]) -> dict[str, Any]:
+    def _nightly_budget(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
         sets_steps = values.get("config") or "steps" in ((values.get("overrides") or {}).get("rl") or {})
         if values.get("steps") is None and not sets_steps and values.get("preset", "tiny") in NIGHTLY_STEPS:
             return {**values, "steps": NIGHTLY_STEPS[values.get("preset", "tiny")]}
@@ -92,21 +135,22 @@ def git_commit() -> str:
         return "unknown"
 
 
-def check_arms(spec: ComparisonSpec, candidate: str, references: list[str]) -> tuple[str, list[str]]:
-    """Candidate and references by the name of the config each builds (a bare variant keeps the
-    config's OPPO section); an unknown name or an unsupported combination raises here."""
+def check_arms(spec: NightlySpec) -> tuple[Arm, list[Arm]]:
+    """Candidate and references as the configs they build (a bare variant keeps the config's OPPO
+    section); an unknown name or an unsupported combination raises here."""
     base = spec.train_config()
-    label = lambda arm: arm_name(arm_config(base, arm, spec.seeds[0]))  # noqa: E731
-    return label(candidate), [label(r) for r in references]
+    candidate = Arm.of(spec.candidate.config(base, spec.seeds[0]))
+    references = [Arm.of(r.config(base, spec.seeds[0])) for r in spec.references]
+    check_references(candidate.name, [r.name for r in references])  # as built: a bare variant may be the candidate's config
+    return candidate, references
 
 
-def resolve_rule(spec: ComparisonSpec, steps: int, candidate: str, references: list[str], metric: str, rule: str,
-                 noise_sd: float | None, healthy_mean: float | None,
-                 calibration_seeds: int | None = None) -> tuple[str, float | None, float | None, int | None, str]:
+def resolve_rule(spec: NightlySpec, steps: int, candidate: str,
+                 references: list[str]) -> tuple[str, float | None, float | None, int | None, str]:
     """``(rule, noise_sd, healthy_mean, calibration_seeds, note)``: the rule the night decides
-    with, its calibration (given, or recorded for this setting), and a line saying which and why."""
-    if rule not in (*RULES, "auto"):
-        raise ValueError(f"rule must be one of {[*RULES, 'auto']}, got {rule!r}")
+    with (``spec.rule``), its calibration (given in the spec, or recorded for this setting:
+    ``candidate`` and ``references`` by name), and a line saying which and why."""
+    rule, noise_sd, healthy_mean, calibration_seeds, metric = spec.rule, spec.noise_sd, spec.healthy_mean, spec.calibration_seeds, spec.metric
     if rule == "noninferiority":
         return rule, None, None, None, "noninferiority (paired bootstrap per reference, tolerance)"
     if noise_sd is not None:
@@ -132,91 +176,35 @@ def resolve_rule(spec: ComparisonSpec, steps: int, candidate: str, references: l
 
 
 @flow(name="nightly-parity", log_prints=True)
-def nightly_parity(
-    preset: str = "tiny",
-    seeds: tuple[int, ...] | list[int] = NIGHTLY_SEEDS,
-    steps: int | None = None,
-    candidate: str = "loglinear",
-    references: tuple[str, ...] | list[str] = ("recompute", "sync"),
-    metric: str = "final_reward",
-    tolerance: float = 0.1,
-    confidence: float = 0.95,
-    n_boot: int = 10_000,
-    smooth_frac: float = SMOOTH_FRAC,
-    max_staleness: int | None = None,
-    overrides: dict[str, Any] | None = None,
-    variant_overrides: dict[str, dict[str, Any]] | None = None,
-    benchmarks: tuple[str, ...] | list[str] = (),
-    bench_limit: int | None = 50,
-    data_dir: str | None = None,
-    tracking_uri: str | None = None,
-    experiment: str = "a3po-nightly",
-    output_dir: str | None = None,
-    cache_dir: str | None = None,
-    history: int = 14,
-    torch_threads: int | None = None,
-    system_metrics_interval_s: float = 10.0,
-    fail_on_regression: bool = False,
-    launch: str | dict[str, Any] = "local",
-    config: str | None = None,
-    model: str | None = None,
-    dataset: str | None = None,
-    task: str | None = None,
-    checkpoint_every: int | None = None,
-    bench_max_new_tokens: int = 64,
-    target_fraction: float = TARGET_FRACTION,
-    rule: str = "auto",
-    noise_sd: float | None = None,
-    healthy_mean: float | None = None,
-    calibration_seeds: int | None = None,
-) -> dict[str, Any]:
-    """Compare ``candidate`` with ``references`` over ``seeds``; decide parity (see tasks.parity).
-
-    The shared parameters are those of :class:`flows.common.ComparisonSpec`; this flow's own:
-
-    candidate / references: arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` to compare
-    OPPO on with off (e.g. candidate ``loglinear+oppo-inter``, references ``["loglinear"]``).
-    seeds / steps: default the nightly budget: seeds 0-5 and, where neither steps nor a config are
-    given, the preset's tasks.parity.NIGHTLY_STEPS (tiny: 75), the setting the calibration was measured at.
-    metric: final_reward (mean training reward over the last smooth_frac of steps) or final_acc.
-    tolerance: largest acceptable shortfall of the candidate, in the metric's units (rule noninferiority).
-    rule: ``shortfall`` (a one-sided z-test of the candidate's per-seed difference to the
-    references' mean against the healthy candidate's, ``healthy_mean`` and ``noise_sd`` measured on
-    ``calibration_seeds`` seeds
-    by bench.nightly_power; false alarms at ``1 - confidence``; see tasks.parity),
-    ``noninferiority`` (the paired bootstrap per reference with ``tolerance``), or ``auto``:
-    shortfall with the recorded calibration where the setting has one (tasks.parity.CALIBRATIONS:
-    the preset as shipped, no config, overrides, model, dataset or task), else noninferiority.
-    confidence / n_boot: of the paired bootstrap. history: earlier nights in the trend.
-    overrides / variant_overrides: as in compare_variants (e.g. a planted regression:
-    ``{"loglinear": {"advantage": "planted_negated"}}``). output_dir: default
-    runs/nightly/<UTC date>. fail_on_regression: raise :class:`ParityRegression` on a fail
-    verdict so the Prefect flow run ends Failed (the deployments set it; the command line exits 1
-    instead).
+def nightly_parity(spec: NightlySpec = NightlySpec()) -> dict[str, Any]:  # noqa: B008  (a frozen value)
+    """Compare ``spec.candidate`` with ``spec.references`` over ``spec.seeds``; decide parity
+    (see tasks.parity). ``spec``: :class:`NightlySpec` (checked before anything runs, naming the
+    field). overrides / variant_overrides: as in compare_variants (e.g. a planted regression:
+    ``{"loglinear": {"advantage": "planted_negated"}}``). output_dir: default runs/nightly/<UTC date>.
     """
-    spec = NightlySpec.of_flow(locals())  # first: raises naming the field, before anything runs
     t0 = time.perf_counter()
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     base = spec.train_config()
-    candidate, references = check_arms(spec, candidate, list(references))
-    rule, noise_sd, healthy_mean, calibration_seeds, rule_note = resolve_rule(spec, base.rl.steps, candidate, references, metric, rule,
-                                                                              noise_sd, healthy_mean, calibration_seeds)
-    arms = list(dict.fromkeys([candidate, *references]))
+    cand, refs = check_arms(spec)
+    candidate, references = cand.name, [r.name for r in refs]  # the records' and the tables' labels
+    rule, noise_sd, healthy_mean, calibration_seeds, rule_note = resolve_rule(spec, base.rl.steps, candidate, references)
+    arms = list(dict.fromkeys([cand, *refs]))
     launched = launch_for_config(spec.launch_spec(), base)  # the ZeRO stage the ranks will run, for the record
     out = spec.output_folder()
     commit = git_commit()
-    flow_values = dict(preset=preset, seeds=spec.seeds, candidate=candidate, references=references, metric=metric, tolerance=tolerance,
-                       confidence=confidence, n_boot=n_boot, smooth_frac=smooth_frac, variant_overrides=variant_overrides,
+    preset, metric = spec.preset, spec.metric
+    flow_values = dict(preset=preset, seeds=spec.seeds, candidate=candidate, references=references, metric=metric, tolerance=spec.tolerance,
+                       confidence=spec.confidence, n_boot=spec.n_boot, smooth_frac=spec.smooth_frac, variant_overrides=spec.variant_overrides,
                        rule=rule, noise_sd=noise_sd, healthy_mean=healthy_mean, calibration_seeds=calibration_seeds)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "nightly", "a3po.preset": preset, "a3po.git_commit": commit, "a3po.candidate": candidate, **launch_tags}
     with parent_run(spec, out, f"nightly-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
         records, links, summary = compare_and_summarise(spec, base, ref, out, arms, launch=launched)
-        results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, tolerance, confidence, n_boot, smooth_frac,
-                                                             rule, noise_sd, healthy_mean or 0.0, calibration_seeds)]
-        trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results], history)
-        verdict = "pass" if all(r.passed for r in results) else "fail"
+        results = [ParityResult(**r) for r in decide_parity(records, candidate, references, metric, spec.tolerance, spec.confidence,
+                                                             spec.n_boot, spec.smooth_frac, rule, noise_sd, healthy_mean or 0.0,
+                                                             calibration_seeds)]
+        trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results],
+                               spec.history)
+        verdict = "pass" if all_pass((r.passed for r in results), "parity results") else "fail"
         report = f"Rule: {rule_note}\n\n" + report_markdown(results, trend)
         trend_line = trend_verdict(results, trend)
         (out / "summary" / "parity.md").write_text(f"# Nightly parity: {verdict}\n\n{report}\nTrend: {trend_line}\n")
@@ -225,8 +213,10 @@ def nightly_parity(
         log_to_parent(ref, {**summary["metrics"], **parity_metrics(results)},
                       [*summary["artifacts"], str(out / "summary" / "parity.md"), str(out / "summary" / "parity.json")],
                       tags={"parity": verdict})
+        describe_parent_run(ref, summary, records, links,
+                            verdict_md=f"# Nightly parity: {verdict.upper()}\n\n{report}\n\nTrend: {trend_line}")
         get_run_logger().info(f"parity {verdict}; trend: {trend_line}")
-    if verdict == "fail" and fail_on_regression:
+    if verdict == "fail" and spec.fail_on_regression:
         raise ParityRegression(f"convergence parity failed:\n{report}")
     return {
         "verdict": verdict,
@@ -272,10 +262,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_par
                confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd,
                healthy_mean=args.healthy_mean, calibration_seeds=args.calibration_seeds)
 
-    def check(spec: ComparisonSpec) -> None:
-        cand, refs = check_arms(spec, own["candidate"], own["references"])
-        resolve_rule(spec, spec.train_config().rl.steps, cand, refs, own["metric"], own["rule"], own["noise_sd"], own["healthy_mean"],
-                     own["calibration_seeds"])
+    def check(spec: NightlySpec) -> None:
+        cand, refs = check_arms(spec)
+        resolve_rule(spec, spec.train_config().rl.steps, cand.name, [r.name for r in refs])
         launch_for_config(spec.launch_spec(), spec.train_config())
 
     status, res, api = run_flow("nightly_parity", nightly_parity, NightlySpec, comparison_kwargs(args), own, check)

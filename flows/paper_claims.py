@@ -27,84 +27,66 @@ from prefect import flow
 from pydantic import Field
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
-from a3po.config import Variant
+from a3po.config import TrainConfig, Variant
+from a3po.config.axes import PLACEMENTS, Placement
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
-from tasks.arms import PLACEMENTS, arm_name, expand_arms
+from tasks.arms import Arm, expand_arms
 from tasks.claims import report_claims
+from tasks.description import describe_parent_run
+from tasks.launched import launch_for_config
 from tasks.links import RunLinks
-from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION
 from tasks.tracking import log_to_parent
-from tasks.training import launch_for_config
 
 VARIANTS = [v.value for v in Variant]  # every claim compares loglinear with recompute and/or sync
 
 
 class ClaimsSpec(ComparisonSpec):
-    """The claims run's shared parameters, with this flow's defaults: 3 seeds, no benchmarks."""
+    """The claims run: the shared fields (:class:`flows.common.ComparisonSpec`) with this flow's
+    defaults (3 seeds, no benchmarks) and where generation runs."""
 
     default_output_dir: ClassVar[str] = "runs/claims-{preset}"
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
-    experiment: str = "a3po-claims"
+    # Descriptions as Field(description=...), not attribute docstrings: Prefect reads a deployment's
+    # parameters from this file without importing it, where the docstrings cannot be found.
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1, description=(
+        "RL seeds, paired across arms (each arm runs once per seed)."))
+    experiment: str = Field(default="a3po-claims", description="MLflow experiment of the parent and child runs.")
+    placements: list[Placement] | None = Field(default=None, description=(
+        "Where generation runs: the variants run in each and the claims are judged per placement; None: as the "
+        "config says."))
 
 
-def claim_arms(spec: ComparisonSpec, base, placements: list[str] | None) -> list[str]:
-    """Every variant in every placement, by the name of the config each builds."""
-    return list(dict.fromkeys(arm_name(variant_config(base, a, spec.seeds[0], spec.variant_overrides))
-                              for a in expand_arms(VARIANTS, None, placements)))
+def claim_arms(spec: ClaimsSpec, base: TrainConfig) -> list[Arm]:
+    """Every variant in every placement, as the configs they build."""
+    return list(dict.fromkeys(Arm.of(variant_config(base, a, spec.seeds[0], spec.variant_overrides))
+                              for a in expand_arms(VARIANTS, None, spec.placements)))
 
 
 @flow(name="paper-claims", log_prints=True)
-def paper_claims(
-    preset: str = "tiny",
-    seeds: tuple[int, ...] | list[int] = (0, 1, 2),
-    steps: int | None = None,
-    max_staleness: int | None = None,
-    overrides: dict[str, Any] | None = None,
-    variant_overrides: dict[str, dict[str, Any]] | None = None,
-    tracking_uri: str | None = None,
-    experiment: str = "a3po-claims",
-    output_dir: str | None = None,
-    cache_dir: str | None = None,
-    target_fraction: float = TARGET_FRACTION,
-    smooth_frac: float = SMOOTH_FRAC,
-    torch_threads: int | None = None,
-    system_metrics_interval_s: float = 10.0,
-    config: str | None = None,
-    model: str | None = None,
-    dataset: str | None = None,
-    task: str | None = None,
-    checkpoint_every: int | None = None,
-    benchmarks: tuple[str, ...] | list[str] = (),
-    bench_limit: int | None = 50,
-    bench_max_new_tokens: int = 64,
-    data_dir: str | None = None,
-    launch: str | dict[str, Any] = "local",
-    placements: list[str] | None = None,
-) -> dict[str, Any]:
-    """Run sync, recompute and loglinear over ``seeds`` and judge the paper's claims.
+def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B008  (a frozen value)
+    """Run sync, recompute and loglinear over ``spec.seeds`` and judge the paper's claims.
 
-    The parameters are those of :class:`flows.common.ComparisonSpec`; output_dir: default
-    runs/claims-<preset> (re-running resumes). placements: where generation runs
-    (tasks.arms.PLACEMENTS); the variants run in each and the claims are judged per placement.
+    ``spec``: :class:`ClaimsSpec` (checked before anything runs, naming the field); output_dir:
+    default runs/claims-<preset> (re-running resumes).
     """
-    spec = ClaimsSpec.of_flow(locals())  # first: raises naming the field, before anything runs
     t0 = time.perf_counter()
     base = spec.train_config()
     launched = launch_for_config(spec.launch_spec(), base)
     out = spec.output_folder()
-    flow_values = dict(preset=preset, seeds=spec.seeds, placements=placements, target_fraction=target_fraction, smooth_frac=smooth_frac,
-                       variant_overrides=variant_overrides)
+    preset = spec.preset
+    flow_values = dict(preset=preset, seeds=spec.seeds, placements=spec.placements, target_fraction=spec.target_fraction,
+                       smooth_frac=spec.smooth_frac, variant_overrides=spec.variant_overrides)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "claims", "a3po.preset": preset, "a3po.seeds": ",".join(map(str, spec.seeds)), **launch_tags}
     with parent_run(spec, out, f"claims-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
-        records, links, summary = compare_and_summarise(spec, base, ref, out, claim_arms(spec, base, placements), launch=launched)
+        records, links, summary = compare_and_summarise(spec, base, ref, out, claim_arms(spec, base), launch=launched)
         header = (f"# A-3PO claims on this testbed\n\nPreset {preset}, {base.rl.steps} RL steps, seeds {', '.join(map(str, spec.seeds))}, "
                   f"max staleness {base.rl.max_staleness}; comparison table in comparison.md.")
         claims = report_claims(summary, str(out / "summary"), header)
         log_to_parent(ref, {**summary["metrics"], **claims["metrics"]}, [*summary["artifacts"], *claims["artifacts"]],
                       tags={f"claim.{r['claim']}": r["verdict"] for r in claims["results"]})
+        describe_parent_run(ref, summary, records, links, verdict_md=f"{header}\n\n{claims['markdown']}")
     return {
         "claims": claims["results"],
         "claims_md": claims["markdown"],
@@ -122,7 +104,7 @@ def paper_claims(
 def build_parser(prog: str = "python -m flows.paper_claims") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--placements", default=None, metavar="PLACEMENTS",
-                    help=f"comma-separated placements ({','.join(PLACEMENTS.names())}): the variants run in each, the claims "
+                    help=f"comma-separated placements ({','.join(PLACEMENTS)}): the variants run in each, the claims "
                          "are judged per placement (default: as the config says)")
     add_comparison_args(ap, ClaimsSpec)
     return ap
@@ -133,9 +115,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.paper_claim
 
     placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements is not None else None
 
-    def check(spec: ComparisonSpec) -> None:
+    def check(spec: ClaimsSpec) -> None:
         base = spec.train_config()
-        claim_arms(spec, base, placements)  # an unknown placement or a refused combination, before anything starts
+        claim_arms(spec, base)  # a refused combination, before anything starts
         launch_for_config(spec.launch_spec(), base)
 
     status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args), {"placements": placements}, check)

@@ -32,8 +32,9 @@ from a3po.redact import MASK, mask_uri
 from a3po.storage.checkpoint import atomic_write_text
 from infra.launch import LaunchMode, LaunchSpec, launch_spec
 from tasks.evaluation import evaluate_checkpoint
+from tasks.launched import arm_launch, launch_for_config, train_launched
 from tasks.tracking import TrackingRef, log_evaluation
-from tasks.training import WarmStart, arm_launch, launch_for_config, train_launched, train_variant
+from tasks.training import WarmStart, train_arm
 
 RECORD_FILE = "record.json"
 
@@ -52,10 +53,10 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Train one variant x seed (in-process, or as launched ranks), evaluate it, log the
     evaluation on its child run; the comparison's record of it. An arm with rollout workers runs
-    as launched processes even in an in-process comparison (:func:`tasks.training.arm_launch`)."""
+    as launched processes even in an in-process comparison (:func:`tasks.launched.arm_launch`)."""
     spec = arm_launch(spec, cfg)
     if spec is None or spec.mode is LaunchMode.LOCAL:
-        run = train_variant(cfg, run_dir, ws, tracking, system_metrics_interval_s)
+        run = train_arm(cfg, run_dir, ws, tracking, system_metrics_interval_s)
     else:
         run = train_launched(cfg, run_dir, ws, tracking, spec)
     ev = evaluate_checkpoint(run.final_dir, cfg, benchmarks, data_dir, bench_limit, bench_max_new_tokens, str(Path(run.run_dir) / "eval"))

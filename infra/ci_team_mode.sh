@@ -147,6 +147,8 @@ from prefect.client.orchestration import get_client
 
 dep = json.loads(sys.argv[1])
 assert dep["cron"] == ["0 2 * * *"], dep
+# The flow takes one typed spec; --param KEY=VALUE set its fields (infra/deploy.py).
+assert set(dep["parameters"]) == {"spec"} and dep["parameters"]["spec"]["references"] == ["recompute"], dep
 with get_client(sync_client=True) as pc:
     state = pc.read_flow_run(dep["flow_run_id"]).state
     assert state.is_completed(), state
@@ -172,6 +174,7 @@ from prefect.client.orchestration import get_client
 
 dep, ui = json.loads(sys.argv[1]), sys.argv[2]
 assert dep["cron"] == ["0 3 * * 0"] and dep["timezone"] == "UTC", dep
+assert set(dep["parameters"]) == {"spec"} and dep["parameters"]["spec"]["variants"] == ["loglinear"], dep
 with get_client(sync_client=True) as pc:
     state = pc.read_flow_run(dep["flow_run_id"]).state
     assert state.is_completed(), state
@@ -182,7 +185,7 @@ assert len(parent) == 1 and len(child) == 1 and set(runs["status"]) == {"FINISHE
 p = parent.iloc[0]
 assert p["tags.a3po.kind"] == "compare" and p["tags.prefect.flow_run_id"] == dep["flow_run_id"], p
 exp, pid, cid = p["experiment_id"], p["run_id"], child.iloc[0]["run_id"]
-assert p["tags.a3po.link.parent_run"] == f"{ui}/#/experiments/{exp}/runs/{pid}", p["tags.a3po.link.parent_run"]
+assert p["tags.a3po.link.parent_run"] == f"{ui}/#/experiments/{exp}/runs/{pid}?workflowType=machine_learning", p["tags.a3po.link.parent_run"]
 assert cid in p["tags.a3po.link.compare_runs"], p["tags.a3po.link.compare_runs"]
 print(json.dumps({"flow_run": dep["flow_run_id"], "parent_run": pid, "parent_run_url": p["tags.a3po.link.parent_run"]}))
 EOF

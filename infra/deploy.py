@@ -3,7 +3,7 @@
     export PREFECT_API_URL=http://127.0.0.1:4200/api            # infra/start_prefect_server.sh
     python infra/deploy.py compare-variants                      # weekly comparison (cron 0 3 * * 0, UTC)
     python infra/deploy.py nightly-parity                        # nightly parity (cron 0 2 * * *, UTC)
-    python infra/deploy.py compare-variants --param config='"my.yaml"' --param 'seeds=[0,1,2]' --cron '0 4 * * 1'
+    python infra/deploy.py compare-variants --param config=my.yaml --param 'seeds=[0,1,2]' --cron '0 4 * * 1'
     python infra/deploy.py compare-variants --serve              # serve it from this process (no worker)
     python infra/deploy.py compare-variants --run-now --param preset='"micro"'   # plus one run now
     python infra/deploy.py train-one                             # fan-out target (no schedule): pool a3po-train
@@ -11,8 +11,12 @@
 The deployments are defined once, in ``infra/prefect.yaml`` (entrypoint, cron, timezone, tags,
 parameters, work pool); this script registers one of them as written there, with ``--param``
 overriding a parameter (JSON, or a bare string) and ``--cron`` / ``--pool`` / ``--name`` the
-rest. Why beside ``prefect deploy --prefect-file infra/prefect.yaml``: no CLI prompts, one
-deployment at a time, its next runs printed, and one JSON line at the end. Schedules need a real
+rest. The comparison flows take one typed parameter, ``spec``: there ``--param KEY=VALUE`` sets
+the spec's field KEY (``--param spec=JSON`` replaces the whole spec), and the parameters are
+checked against the flow's signature before anything is registered, naming the field.
+
+Why beside ``prefect deploy --prefect-file infra/prefect.yaml``: no CLI prompts, one deployment
+at a time, its next runs printed, and one JSON line at the end. Schedules need a real
 Prefect server (not the temporary one that the flows start on their own) and a worker polling
 the pool (``infra/start_worker.sh``), or ``--serve``.
 """
@@ -50,6 +54,19 @@ def _param(item: str) -> tuple[str, object]:
         return key, raw
 
 
+def flow_parameters(yaml_params: dict[str, Any] | None, overrides: list[str]) -> dict[str, Any]:
+    """The deployment's parameters: the YAML's, each ``--param KEY=VALUE`` over them. Where the
+    flow takes one typed spec (the YAML's parameters are ``{spec: {...}}``), KEY is a field of
+    the spec, so the flags read as they did when the flows took flat parameters."""
+    params = {k: dict(v) if isinstance(v, dict) else v for k, v in (yaml_params or {}).items()}
+    for key, value in (_param(p) for p in overrides):
+        if "spec" in params and key != "spec":
+            params["spec"][key] = value
+        else:
+            params[key] = value
+    return params
+
+
 def build_parser(prog: str | None = None, name_default: str | None = None) -> argparse.ArgumentParser:
     known = sorted(deployments())
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -73,7 +90,7 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
     pool = args.pool or spec["work_pool"]["name"]
     cron = args.cron or schedule.get("cron")  # None: run on demand only (train-one, the fan-out target)
     timezone = args.timezone or schedule.get("timezone", "UTC")
-    params = {**(spec.get("parameters") or {}), **dict(_param(p) for p in args.param)}
+    params = flow_parameters(spec.get("parameters"), args.param)
     tags = list(spec.get("tags") or [])
 
     from prefect import flow
@@ -99,6 +116,11 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
     remote = flow.from_source(source=str(ROOT), entrypoint=spec["entrypoint"])
+    try:  # as a run of it would: a typo fails here, naming the field, not at 02:00
+        remote.validate_parameters(params)
+    except Exception as e:  # noqa: BLE001  (Prefect's ParameterTypeError carries pydantic's message)
+        print(f"{spec['name']}: parameters do not fit the flow: {e}", file=sys.stderr)
+        return 2
     deployment_id = remote.deploy(
         name=name,
         work_pool_name=pool,

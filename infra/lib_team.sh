@@ -92,12 +92,36 @@ a3po_pg_admin() {
   "$(a3po_pg_bin)/psql" -h "$data" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 -qtAX "$@"
 }
 
+# a3po_pg_data DATA_DIR: print the folder the cluster lives in. As root PostgreSQL runs as
+# 'postgres', which cannot pass the 0700 team folder (or a 0700 home above it): the cluster then
+# lives in a 0700 folder of its own in postgres's home (one per DATA_DIR), and DATA_DIR is a link
+# to it. Otherwise, and for a cluster already initialised in place, DATA_DIR itself.
+a3po_pg_data() {
+  local data=$1 parent home real
+  if [ -L "$data" ]; then readlink -f "$data"; return 0; fi
+  parent=$(dirname "$data")
+  if [ "$(id -u)" != 0 ] || [ -f "$data/PG_VERSION" ] || runuser -u postgres -- test -x "$parent" 2>/dev/null; then
+    echo "$data"; return 0
+  fi
+  rmdir "$data" 2>/dev/null || true  # the empty folder of a start that failed here before
+  if [ -e "$data" ]; then a3po_log "$data exists and the postgres user cannot reach it: remove it"; return 1; fi
+  home=$(getent passwd postgres | cut -d: -f6)
+  real="$home/a3po/$(readlink -f "$parent" | sha256sum | cut -c1-16)-$(basename "$data")"
+  mkdir -p "$real"
+  chown postgres:postgres "$home/a3po" "$real"
+  chmod 700 "$home/a3po" "$real"
+  ln -s "$real" "$data"
+  a3po_log "the postgres user cannot reach $parent: the cluster lives in $real ($data links to it)"
+  echo "$real"
+}
+
 # a3po_pg_start DATA_DIR PORT USER PASSWORD_FILE DB
 # Initialise the cluster if needed (password auth on TCP, loopback only; the superuser has no
 # password), start it, create or update the role (login, the file's password) and the database.
 a3po_pg_start() {
-  local data=$1 port=$2 user=$3 pwfile=$4 db=$5 bin
+  local data port=$2 user=$3 pwfile=$4 db=$5 bin
   bin=$(a3po_pg_bin)
+  data=$(a3po_pg_data "$1")
   mkdir -p "$data"
   if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$data"; fi
   chmod 700 "$data"
@@ -122,6 +146,7 @@ SQL
 
 a3po_pg_stop() {
   local data=$1
+  if [ -L "$data" ]; then data=$(readlink -f "$data"); fi  # relocated by a3po_pg_data
   if [ -f "$data/postmaster.pid" ]; then a3po_as_pg "$(a3po_pg_bin)/pg_ctl" -D "$data" -m fast -w stop >/dev/null || true; fi
 }
 

@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.arms import split_placement
+from tasks.arms import Arm
+from tasks.verdicts import NothingToJudge, all_pass
 
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE = "reproduced", "not reproduced", "not measurable here"
 
@@ -211,6 +212,10 @@ def judge(claim: Claim, m: Measurement) -> tuple[str, str]:
     """``(verdict, one-line reason)`` of ``claim`` on measurement ``m`` (the rule in the module docstring)."""
     if isinstance(m, NotMeasurable):
         return NOT_MEASURABLE, m.reason
+    try:
+        all_pass((claim.rule.holds(v) for v in m.values.values()), "seed measured")
+    except NothingToJudge as e:  # "reproduced on all 0 seeds" would be a verdict on nothing
+        return NOT_MEASURABLE, str(e)
     failing = {s: v for s, v in m.values.items() if not claim.rule.holds(v)}
     n = len(m.values)
     if not failing:
@@ -221,12 +226,12 @@ def judge(claim: Claim, m: Measurement) -> tuple[str, str]:
 
 
 def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
-    """The comparison's rows per placement (tasks.arms.PLACEMENTS), each named by its arm without
-    the placement, so a claim compares variants that generated in the same place."""
+    """The comparison's rows per placement (a3po.config.axes.PLACEMENTS), each named by its arm
+    without the placement, so a claim compares variants that generated in the same place."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        arm, placement = split_placement(row["variant"])
-        groups.setdefault(placement or "colocated", []).append({**row, "variant": arm})
+        arm = Arm.parse(row["variant"])
+        groups.setdefault(arm.placement or "colocated", []).append({**row, "variant": arm.model_copy(update={"placement": None}).name})
     return groups
 
 
@@ -234,6 +239,8 @@ def check_claims(rows: Rows, target: float | None, claims: Sequence[Claim] = CLA
     """One result per claim and placement: paper figure, testbed figure with spread, verdict and
     reason. Results of a placement other than colocated carry it in their key (``ttt_vs_sync_on_disaggregated``)."""
     groups = rows_by_placement(rows)
+    if not groups:
+        raise NothingToJudge("no comparison rows for the claims: every claim compares variants that ran")
     out = []
     for placement, group in groups.items():
         suffix = "" if placement == "colocated" else f"_on_{placement}"

@@ -22,6 +22,10 @@ from prefect import task
 
 from a3po.config import TrainConfig, data_identity, with_overrides
 from a3po.data.datasets import load_rows
+from a3po.models.identity import model_content_hash
+from a3po.storage.atomic import replace_dir
+from a3po.storage.content import folder_hashes, record_problem, sha256_file
+from tasks.runtime import run_logger
 
 
 @dataclass(frozen=True)
@@ -35,30 +39,26 @@ class PreparedData:
     source: str
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def dataset_key(cfg: TrainConfig) -> str:
-    """Hash of what determines the rows: the data config, the tokenizer (prompt-length checks)
-    and the contents of any source files."""
+    """Hash of what determines the rows: the data config, the tokenizer (prompt-length checks;
+    a local model folder or named source by its content) and the contents of any source files."""
     parts = {"data": data_identity(cfg.data), "tokenizer": cfg.model.name}
+    tokenizer = model_content_hash(cfg.model.name)
+    if tokenizer is not None:  # none for a built-in model: those keys stay as they were
+        parts["tokenizer_sha256"] = tokenizer
     for name in ("train_path", "heldout_path"):
         path = getattr(cfg.data, name)
         if path:
-            parts[f"{name}_sha256"] = file_sha256(path)
+            parts[f"{name}_sha256"] = sha256_file(path)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def tokenizer_for(cfg: TrainConfig):
     """The policy's tokenizer without building the model (built-in archs use the in-code one)."""
+    from a3po.data.arithmetic import WORDS
     from a3po.models.factory import load_tokenizer
 
-    return load_tokenizer(cfg.model.name)
+    return load_tokenizer(cfg.model.name, words=WORDS)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -73,7 +73,10 @@ def materialise(cfg: TrainConfig, cache_root: str | Path) -> PreparedData:
     key = dataset_key(cfg)
     out = Path(cache_root) / f"data-{key}"
     report = out / "report.json"
-    if not report.exists():
+    problem = record_problem(out, "report.json")  # the rows as written, or written again
+    if problem is not None:
+        if out.exists():
+            run_logger().warning(f"dataset {out.name}: {problem}; writing it again")
         train, held, reports = load_rows(cfg.data, tokenizer_for(cfg))
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
@@ -87,11 +90,15 @@ def materialise(cfg: TrainConfig, cache_root: str | Path) -> PreparedData:
             "skipped_rows": [s for r in reports for s in r.skipped][:100],
             "source": " + ".join(r.source for r in reports),
         }
+        info["files"] = folder_hashes(tmp)  # checked when the folder is reused
         (tmp / "report.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, out)
-        except OSError:  # prepared concurrently: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        if out.exists() and record_problem(out, "report.json") is not None:
+            replace_dir(tmp, out)  # a damaged folder: the new one takes its place
+        else:
+            try:
+                os.replace(tmp, out)
+            except OSError:  # prepared concurrently: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
     info = json.loads(report.read_text())
     return PreparedData(
         key=key,
@@ -114,8 +121,9 @@ def dataset_dir(cfg: TrainConfig, cache_root: str | Path) -> Path:
 
 
 def dataset_ready(cfg: TrainConfig, cache_root: str | Path) -> bool:
-    """The materialised folder is on disk (callers refresh Prefect's cache record when not)."""
-    return (dataset_dir(cfg, cache_root) / "report.json").exists()
+    """The materialised folder is on disk and its files hash as recorded when they were written
+    (callers refresh Prefect's cache record when not, so a damaged file is written again)."""
+    return record_problem(dataset_dir(cfg, cache_root), "report.json") is None
 
 
 def _data_cache_key(context, inputs) -> str:

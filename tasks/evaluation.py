@@ -23,19 +23,14 @@ from typing import Any
 from prefect import task
 
 from a3po.config import TrainConfig
-from tasks.data import file_sha256
+from a3po.storage.content import content_hash, sha256_file
 from tasks.runtime import run_logger
 
 BENCHMARKS = ("gsm8k", "math500", "aime24")
 
 
 def model_hash(model_dir: str | Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(Path(model_dir).iterdir()):
-        if p.is_file():
-            h.update(p.name.encode())
-            h.update(file_sha256(p).encode())
-    return h.hexdigest()[:16]
+    return content_hash(model_dir)[:16]
 
 
 def available_benchmarks(benchmarks: list[str], data_dir: str | None) -> tuple[list[str], dict[str, str]]:
@@ -61,12 +56,12 @@ def _eval_cache_key(context, inputs) -> str | None:
     if not model_dir.is_dir():
         return None
     ok, skipped = available_benchmarks(list(inputs["benchmarks"]), inputs["data_dir"])
-    files = {b: file_sha256(_bench_file(b, inputs["data_dir"])) for b in ok}
+    files = {b: sha256_file(_bench_file(b, inputs["data_dir"])) for b in ok}
     cfg: TrainConfig = inputs["cfg"]
     blob = json.dumps(
         {
             "model": model_hash(model_dir),
-            "heldout": file_sha256(cfg.data.heldout_path) if cfg.data.heldout_path else None,
+            "heldout": sha256_file(cfg.data.heldout_path) if cfg.data.heldout_path else None,
             "task": cfg.data.task,
             "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, cfg.torch_threads],
             "files": files,

@@ -8,8 +8,13 @@ Routes (MLflow 3.17's UI, a hash router; checked against ``mlflow/server/js/buil
 ``getRunPageRoute`` and ``getCompareRunPageRoute``, which writes ``JSON.stringify`` of the
 id lists as the query values):
 
-    <ui>/#/experiments/<experiment id>/runs/<run id>
-    <ui>/#/compare-runs?runs=["<run id>",...]&experiments=["<experiment id>"]
+    <ui>/#/experiments/<experiment id>/runs/<run id>?workflowType=machine_learning
+    <ui>/#/compare-runs?runs=["<run id>",...]&experiments=["<experiment id>"]&workflowType=machine_learning
+
+Why ``workflowType``: MLflow 3's UI picks its workspace (GenAI: traces, judges, prompts; or
+"Model training": runs, models, charts) from that query parameter, else from what the browser
+last chose, else GenAI. The UI reads it from the router's query, the part after ``#/...?``: put
+before the ``#`` it is ignored (checked in headless Chromium, tests/ui/test_browser.py).
 
 ``<ui>`` is the tracking URI itself for an HTTP tracking server. Any other store (the local
 SQLite file, a database URI) has no UI of its own: the links assume ``mlflow ui`` on its
@@ -33,6 +38,7 @@ LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 TAG_PARENT = "a3po.link.parent_run"
 TAG_COMPARE = "a3po.link.compare_runs"
 TAG_UI_COMMAND = "a3po.link.ui_command"
+WORKSPACE = "workflowType=machine_learning"  # the "Model training" workspace (module docstring)
 
 
 @dataclass(frozen=True)
@@ -56,17 +62,27 @@ def _ids(ids: list[str]) -> str:
     return quote(json.dumps(ids, separators=(",", ":")), safe="")
 
 
+def ui_address(tracking_uri: str) -> str:
+    """The UI serving ``tracking_uri``: the server itself (masked), or ``mlflow ui``'s default address."""
+    is_server = tracking_uri.startswith(("http://", "https://"))
+    return mask_uri(tracking_uri).rstrip("/") if is_server else LOCAL_UI
+
+
+def run_page(ui: str, experiment_id: str, run_id: str) -> str:
+    """One run's page, in the Model training workspace."""
+    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}?{WORKSPACE}"
+
+
 def run_links(tracking_uri: str, experiment_id: str, parent_run_id: str, child_run_ids: list[str]) -> RunLinks:
     """The links for one flow run (pure: builds strings, contacts nothing). Secrets in the URI
     (a password, a token in the query) are masked (:func:`tasks.runtime.mask_uri`): the links
     and the command are printed, logged and tagged."""
-    shown = mask_uri(tracking_uri)
     is_server = tracking_uri.startswith(("http://", "https://"))
-    ui = shown.rstrip("/") if is_server else LOCAL_UI
-    command = None if is_server else f"mlflow ui --backend-store-uri {shown}"
+    ui = ui_address(tracking_uri)
+    command = None if is_server else f"mlflow ui --backend-store-uri {mask_uri(tracking_uri)}"
     return RunLinks(
-        parent_run=f"{ui}/#/experiments/{experiment_id}/runs/{parent_run_id}",
-        compare_runs=f"{ui}/#/compare-runs?runs={_ids(child_run_ids)}&experiments={_ids([experiment_id])}",
+        parent_run=run_page(ui, experiment_id, parent_run_id),
+        compare_runs=f"{ui}/#/compare-runs?runs={_ids(child_run_ids)}&experiments={_ids([experiment_id])}&{WORKSPACE}",
         ui_command=command,
     )
 

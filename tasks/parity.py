@@ -46,6 +46,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.arms import metric_key_part
 from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history
+from tasks.verdicts import NothingToJudge, all_pass
 
 METRICS = ("final_reward", "final_acc")
 RULES = ("noninferiority", "shortfall")
@@ -156,6 +157,19 @@ def shortfall_test(diffs: Sequence[float], noise_sd: float, confidence: float = 
     return mean, mean - h, mean + h, float(h - healthy_mean), bool(mean >= healthy_mean - h)
 
 
+def check_references(candidate: str, references: Sequence[str]) -> None:
+    """A parity verdict needs a reference other than the candidate, each named once: raises
+    naming what is missing or repeated (an arm compared with itself differs by 0 on every seed,
+    and would pass whatever the arm does)."""
+    if not references:
+        raise NothingToJudge(f"no references to compare the candidate {candidate!r} with")
+    if candidate in references:
+        raise ValueError(f"the candidate {candidate!r} is also a reference: an arm compared with itself passes whatever it does")
+    repeated = sorted({r for r in references if list(references).count(r) > 1})
+    if repeated:
+        raise ValueError(f"references repeat {repeated}: each reference is one comparison")
+
+
 def run_metric(record: dict[str, Any], metric: str, smooth_frac: float = SMOOTH_FRAC) -> float:
     if metric == "final_reward":
         history = record.get("history") or read_history(record["history_path"])
@@ -181,6 +195,7 @@ def decide(
 ) -> list[ParityResult]:
     """``noninferiority``: one :class:`ParityResult` per reference, over the seeds both arms ran;
     ``shortfall``: one against the pooled references, over the seeds every arm ran."""
+    check_references(candidate, references)
     values: dict[str, dict[int, float]] = {}
     for r in records:
         values.setdefault(arm_of(r), {})[int(r["seed"])] = run_metric(r, metric, smooth_frac)
@@ -214,7 +229,7 @@ def parity_metrics(results: Sequence[ParityResult]) -> dict[str, float]:
     for r in results:
         tag = f"parity/{metric_key_part(r.candidate)}_vs_{metric_key_part(r.reference)}"
         m.update({f"{tag}/mean_diff": r.mean_diff, f"{tag}/ci_low": r.ci_low, f"{tag}/ci_high": r.ci_high, f"{tag}/pass": float(r.passed)})
-    m["parity/pass"] = float(all(r.passed for r in results))
+    m["parity/pass"] = float(all_pass((r.passed for r in results), "parity results"))
     return m
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from prefect import task
 
 from a3po.config import TrainConfig
-from a3po.rollout.torch_engine import SamplingParams
-from a3po.training.reward_model import RewardModelSettings, prepare_reward_model, reward_model_key
+from a3po.rollout.types import SamplingParams
+from a3po.storage.content import record_problem
+from a3po.training.reward_model import REWARD_MODEL_RECORD, RewardModelSettings, prepare_reward_model, reward_model_key
 from tasks.runtime import run_logger
 from tasks.tracking import TrackingRef, client_for, log_metrics_now
 from tasks.training import WarmStart
@@ -39,8 +40,9 @@ def reward_model_dir(cfg: TrainConfig, warmstart: WarmStart, cache_root: str | P
 
 
 def reward_model_ready(cfg: TrainConfig, warmstart: WarmStart, cache_root: str | Path, settings: RewardModelSettings = RewardModelSettings()) -> bool:
-    """The folder is on disk (callers refresh Prefect's cache record when not)."""
-    return (reward_model_dir(cfg, warmstart, cache_root, settings) / "a3po_reward_model.json").exists()
+    """The folder is on disk and its files hash as recorded when written (callers refresh
+    Prefect's cache record when not, so a damaged folder is trained again)."""
+    return record_problem(reward_model_dir(cfg, warmstart, cache_root, settings), REWARD_MODEL_RECORD) is None
 
 
 def _cache_key(context, inputs) -> str:

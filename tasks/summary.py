@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.arms import metric_key_part, parse_arm, split_placement, with_placement
+from tasks.arms import Arm
 
 SMOOTH_FRAC = 0.25
 TARGET_FRACTION = 0.8
@@ -121,11 +121,11 @@ def arm_of(record: dict[str, Any]) -> str:
     return record.get("arm") or record["variant"]
 
 
-def baselines_of(arm: str) -> list[str]:
+def baselines_of(arm: Arm) -> list[Arm]:
     """What a row is compared with, in its own placement: sync and recompute, and for an OPPO arm
     its variant with OPPO off."""
-    variant, mode = parse_arm(arm)
-    return list(dict.fromkeys(with_placement(b, arm) for b in [*BASELINES, *([variant] if mode is not None else [])]))
+    own = [Arm(variant=arm.variant)] if arm.oppo not in (None, "off") else []
+    return list(dict.fromkeys(b.within(arm) for b in [*(Arm.parse(b) for b in BASELINES), *own]))
 
 
 def _max(xs: Sequence[float | None]) -> float | None:
@@ -146,7 +146,7 @@ class ArmRun:
     """One arm x seed as the comparison reads it: a flow's record (tasks.training.RunRecord as a
     dict, plus its evaluation) with its per-step history."""
 
-    arm: str  # the row it belongs to (tasks.arms)
+    arm: Arm  # the row it belongs to (read from the record's name: tasks.arms)
     seed: int
     history: list[dict[str, float]]  # per step: reward/mean, perf/step_time_s, time/train_wall_s, ...
     warmstart_acc: float
@@ -156,14 +156,14 @@ class ArmRun:
     @classmethod
     def of(cls, record: dict[str, Any]) -> ArmRun:
         """From a record dict with ``history`` (read from its ``history_path`` by :func:`summarise`)."""
-        return cls(arm=arm_of(record), seed=record["seed"], history=record["history"], warmstart_acc=record["warmstart_acc"],
+        return cls(arm=Arm.parse(arm_of(record)), seed=record["seed"], history=record["history"], warmstart_acc=record["warmstart_acc"],
                    final_acc=record["final_acc"], eval_metrics=record.get("evaluation", {}).get("metrics", {}))
 
 
 def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, smooth_frac: float = SMOOTH_FRAC) -> Comparison:
     """One row per arm (first-seen order; means over its seeds), the parent run's summary
     metrics, and the reward target (module docstring)."""
-    by_arm: dict[str, list[ArmRun]] = {}
+    by_arm: dict[Arm, list[ArmRun]] = {}
     for run in runs:
         by_arm.setdefault(run.arm, []).append(run)
     first = [r.history[0]["reward/mean"] for r in runs if r.history]
@@ -174,9 +174,9 @@ def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, sm
     notes = [] if target is not None else [
         f"no variant improved on the first-step reward {r0:.3f}: time to target and its speedups are undefined"]
     rows = [_row(arm, rs, finals[arm], target, smooth_frac) for arm, rs in by_arm.items()]
-    metrics = {f"summary/{metric_key_part(row['variant'])}/{key}": row[key]
-               for row in rows for key in ROW_METRICS if row[key] is not None}
-    metrics.update(_against_baselines(rows))
+    metrics = {f"summary/{arm.metric_key}/{key}": row[key]
+               for arm, row in zip(by_arm, rows, strict=True) for key in ROW_METRICS if row[key] is not None}
+    metrics.update(_against_baselines(rows, list(by_arm)))
     if target is not None:
         metrics["summary/target_reward"] = target
     metrics["summary/first_step_reward"] = r0
@@ -187,14 +187,14 @@ ROW_METRICS = ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_
                "mean_idle_s", *STABILITY_FIGURES)
 
 
-def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | None, smooth_frac: float) -> dict[str, Any]:
+def _row(arm: Arm, runs: Sequence[ArmRun], final: float | None, target: float | None, smooth_frac: float) -> dict[str, Any]:
     """One arm's row: means over its seeds (maxima for the ``*_max`` stability figures), each
     seed's figures in ``per_seed``, benchmark metrics ``eval/final/<bench>/<metric>``."""
     hist = [r.history for r in runs if r.history]
     per_seed = [{"seed": r.seed, **run_figures(r.history, target, smooth_frac)} for r in runs if r.history]
     row = {
-        "variant": arm,
-        "placement": split_placement(arm)[1] or "colocated",
+        "variant": arm.name,
+        "placement": arm.placement or "colocated",
         "seeds": len(runs),
         "warmstart_acc": _mean([r.warmstart_acc for r in runs]),
         "final_acc": _mean([r.final_acc for r in runs]),
@@ -218,19 +218,19 @@ def _row(arm: str, runs: Sequence[ArmRun], final: float | None, target: float | 
     return {**row, **{k: _mean(vals) for k, vals in bench.items()}}
 
 
-def _against_baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Speedups and deltas of each row against its baselines (:func:`baselines_of`), written into
-    the rows (``speedup_*_vs_<baseline>``; an OPPO arm's own variant also as ``..._vs_oppo_off``)
-    and returned as metrics."""
+def _against_baselines(rows: list[dict[str, Any]], arms: list[Arm]) -> dict[str, float]:
+    """Speedups and deltas of each row (of ``arms``, in order) against its baselines
+    (:func:`baselines_of`), written into the rows (``speedup_*_vs_<baseline>``; an OPPO arm's own
+    variant also as ``..._vs_oppo_off``) and returned as metrics."""
     metrics: dict[str, float] = {}
     index = {row["variant"]: row for row in rows}
-    for row in rows:
-        for base in baselines_of(row["variant"]):
-            if base == row["variant"] or base not in index:
+    for arm, row in zip(arms, rows, strict=True):
+        for base in baselines_of(arm):
+            if base.name == arm.name or base.name not in index:
                 continue
-            b, tag = index[base], f"{metric_key_part(row['variant'])}_vs_{metric_key_part(base)}"
-            bare = parse_arm(base)[0]  # the column names the baseline variant; the placement is the row's
-            cols = [bare, *(["oppo_off"] if bare == parse_arm(row["variant"])[0] else [])]
+            b, tag = index[base.name], f"{arm.metric_key}_vs_{base.metric_key}"
+            bare = base.variant.value  # the column names the baseline variant; the placement is the row's
+            cols = [bare, *(["oppo_off"] if base.variant == arm.variant else [])]
             for figure, name in (("time_to_target_s", "ttt"), ("mean_step_time_s", "step")):
                 if row[figure] and b[figure]:  # None or 0: no speedup
                     row.update({f"speedup_{name}_vs_{c}": b[figure] / row[figure] for c in cols})
@@ -277,8 +277,9 @@ def to_markdown(df) -> str:
 
 
 def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smooth_frac: float = SMOOTH_FRAC) -> list[Path]:
-    """reward_curves.png: smoothed reward against step and against trainer wall clock, every
-    variant on one figure; stability.png against step: behaviour importance weight
+    """reward_curves.png: smoothed reward against step and against trainer wall clock, and the
+    held-out accuracy against trainer wall clock (warm start at 0, each evaluation during
+    training, the final checkpoint's at the end), every arm on one figure; stability.png against step: behaviour importance weight
     (``pi_prox / pi_behav``) and trust-region ratio (``pi_theta / pi_prox``), step max and p99 on
     log scales, the clipped-token fraction and the fraction of tokens over the behaviour-weight cap."""
     import matplotlib
@@ -288,7 +289,7 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
     import matplotlib.ticker
 
     colors = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(arm_of(r) for r in records))}
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.6))
     fig2, ((b1, b2), (b3, b4)) = plt.subplots(2, 2, figsize=(12, 8))
     seen = set()
     for r in records:
@@ -302,6 +303,9 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         seen.add(v)
         a1.plot(steps, sm, color=colors[v], label=label)
         a2.plot([x["time/train_wall_s"] for x in h], sm, color=colors[v], label=label)
+        acc = [(0.0, r["warmstart_acc"]), *((x["time/train_wall_s"], x["eval/heldout_acc"]) for x in h if "eval/heldout_acc" in x),
+               (h[-1]["time/train_wall_s"], r["final_acc"])]
+        a3.plot([t for t, _ in acc], [a for _, a in acc], color=colors[v], marker="o", ms=3, label=label)
 
         def series(key: str, h: list[dict[str, float]] = h) -> list[float]:
             return [x.get(key, float("nan")) for x in h]
@@ -318,7 +322,9 @@ def plot(records: Sequence[dict[str, Any]], comp: Comparison, out_dir: Path, smo
         ax.legend()
     a1.set_xlabel("step")
     a2.set_xlabel("trainer wall clock (s)")
-    fig.suptitle("Training reward by variant")
+    a3.set(xlabel="trainer wall clock (s)", ylabel="held-out accuracy (sampled)")
+    a3.legend()
+    fig.suptitle("Reward and held-out accuracy by arm: faster to the same accuracy is further left")
     b1.set(xlabel="step", ylabel="behaviour IW  pi_prox / pi_behav", yscale="log", title="off-policy importance weight (step max, p99)")
     b2.set(xlabel="step", ylabel="trust-region ratio  pi_theta / pi_prox", yscale="log", title="trust-region ratio (step max, p99)")
     b3.set(xlabel="step", ylabel="fraction of tokens", title="clipped tokens (trust region active)")

@@ -48,6 +48,9 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_CHARS = 6000
 # MLflow 3's UI opens an experiment of this kind on its runs (not the GenAI overview).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+# A run's Description in the UI: Markdown in this tag, at most MLflow's largest tag value.
+DESCRIPTION_TAG = "mlflow.note.content"
+MAX_DESCRIPTION_CHARS = 8000
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,16 @@ def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str
     if params:
         log_params(client, run.info.run_id, params)
     return run.info.run_id
+
+
+def set_description(client, run_id: str, markdown: str) -> None:
+    """The run's Description (rendered as Markdown by the UI); the only writer of the tag."""
+    if not markdown.strip():
+        raise ValueError(f"empty description for run {run_id}: a run's Description says what it holds")
+    if len(markdown) > MAX_DESCRIPTION_CHARS:
+        raise ValueError(f"description of run {run_id} has {len(markdown)} characters; "
+                         f"MLflow keeps at most {MAX_DESCRIPTION_CHARS}")
+    client.set_tag(run_id, DESCRIPTION_TAG, markdown)
 
 
 def find_runs(client, experiment_id: str, tags: Mapping[str, str], status: str | None = None, max_results: int = 1000) -> list:

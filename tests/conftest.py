@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from a3po.catalog import SMOL_INSTALL_HINT
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -30,9 +32,11 @@ if "PREFECT_HOME" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 
-# Skips that mean CI set itself up wrong: .ci/run installs PostgreSQL and DeepSpeed, so there
-# (A3PO_CI=1) these fail instead of passing silently as skipped. Matched on the skip's reason.
-CI_MUST_NOT_SKIP = ("PostgreSQL server binaries not found", "DeepSpeed is not installed")
+# Skips that mean CI set itself up wrong: .ci/run installs PostgreSQL, DeepSpeed and the pretrained
+# model's package (make setup-smol), and has the benchmark files in ../shared/data beside the clone,
+# so there (A3PO_CI=1) these fail instead of passing silently as skipped. Matched on the skip's reason.
+DATA_MISSING = "real benchmark files not found at"
+CI_MUST_NOT_SKIP = ("PostgreSQL server binaries not found", "DeepSpeed is not installed", SMOL_INSTALL_HINT, DATA_MISSING)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,11 +60,11 @@ def shared_data() -> Path:
     """The real benchmark copies (gsm8k/, math500/, aime24/), or a skip saying where they were looked for."""
     path = shared_data_dir()
     if not path.is_dir():
-        pytest.skip(f"real benchmark files not found at {path} (set A3PO_SHARED_DATA to their folder)")
+        pytest.skip(f"{DATA_MISSING} {path} (set A3PO_SHARED_DATA to their folder)")
     return path
 
 
-# --- a3po core tests (tests/test_core_*.py): a reward stand-in, used only where requested ---
+# --- library tests: a reward stand-in, used only where requested ---
 
 
 @pytest.fixture
@@ -85,7 +89,7 @@ def core_one_thread():
     torch.set_num_threads(n)
 
 
-# --- pipeline tests (tests/test_flow_*.py): one Prefect test server for the session ---
+# --- pipeline tests (tests/flows/, tests/tasks/): one Prefect test server for the session ---
 
 
 @pytest.fixture(scope="session")

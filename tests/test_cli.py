@@ -53,6 +53,37 @@ def test_unknown_or_missing_subcommand_exits_2(capsys):
     assert main([]) == 2
 
 
+@pytest.mark.parametrize("command", ["compare", "nightly", "claims", "serve"])
+def test_pipeline_commands_without_the_pipeline_extra_fail_in_one_line_naming_it(command, monkeypatch, capsys):
+    import a3po.cli
+
+    real = a3po.cli.importlib.util.find_spec
+    monkeypatch.setattr(a3po.cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("prefect", "mlflow") else real(name, *a))
+    assert main([command, "--help"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"a3po {command}: needs the 'pipeline' extra (not installed: prefect, mlflow): "
+                   "pip install -e '.[pipeline]' in the checkout, or pip install 'a3po[pipeline]'"]
+
+
+def test_a_module_of_an_extra_missing_mid_command_is_named_with_its_extra(monkeypatch, capsys):
+    import a3po.cli
+
+    def run(argv):
+        raise ModuleNotFoundError("No module named 'lm_eval'", name="lm_eval.tasks")
+
+    monkeypatch.setitem(a3po.cli.COMMANDS, "eval", a3po.cli.Command("stand-in", run))
+    assert main(["eval"]) == 2
+    assert capsys.readouterr().err.startswith("a3po eval: needs the 'eval' extra (not installed: lm_eval.tasks)")
+
+    def broken(argv):  # not a package of an extra: a real bug, with its traceback
+        raise ModuleNotFoundError("No module named 'a3po.gone'", name="a3po.gone")
+
+    monkeypatch.setitem(a3po.cli.COMMANDS, "eval", a3po.cli.Command("stand-in", broken))
+    with pytest.raises(ModuleNotFoundError):
+        main(["eval"])
+
+
 @pytest.mark.parametrize("command", ["compare", "nightly", "claims"])
 def test_flow_subcommands_take_the_flows_own_options(command, capsys):
     with pytest.raises(SystemExit) as e:
@@ -130,5 +161,5 @@ def test_flow_options_out_of_bounds_exit_2_naming_the_option(command, tmp_path, 
     assert main([command, "--preset", "micro", "--seeds", "", "--target-fraction", "1.5", "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --seeds: List should have at least 1 item after validation, not 0",
-                   "error: --target-fraction: Input should be less than or equal to 1"], err
+                   "error: --target-fraction: Input should be less than or equal to 1, got 1.5"], err
     assert not out.exists()

@@ -24,7 +24,8 @@ from a3po.devices import sampling_generator
 from a3po.models.factory import build_tiny_model
 from a3po.models.logprobs import token_logprobs
 from a3po.producer.weight_store import clone_state
-from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import SamplingParams
 from a3po.training.loop import rl_train
 from a3po.training.run import build_model
 from a3po.training.step import train_step

@@ -28,10 +28,12 @@ from a3po.registry import Registry
 class AdvantageInputs:
     """What an estimator may use. All per-token tensors are ``(N, L)``, aligned to ``input_ids``."""
 
-    token_rewards: torch.Tensor  # (N, L) float32: the sequence's score at its last response token, minus the KL penalty per token; 0 outside mask
+    # (N, L) float32: the sequence's score at its last response token, minus the KL penalty per token; 0 outside mask
+    token_rewards: torch.Tensor
     mask: torch.Tensor  # (N, L) bool, generated tokens (contiguous in each row)
     group_ids: torch.Tensor  # (N,) samples of the same prompt share an id
-    values: torch.Tensor | None = None  # (N, L) critic values V(s_t) of the state before token t (estimators with needs_values)
+    # (N, L) critic values V(s_t) of the state before token t (estimators with needs_values)
+    values: torch.Tensor | None = None
     gamma: float = 1.0  # discount per token (gae)
     lam: float = 0.95  # GAE lambda (gae)
 

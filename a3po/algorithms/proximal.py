@@ -8,6 +8,9 @@ obtained is the only thing the variants change:
 
 * ``recompute``: an extra no-grad forward pass of the current weights (exact, costs a forward).
 * ``loglinear`` (A-3PO): interpolate in log space between behaviour and target, no forward.
+* ``reuse``: the training forward's own log-probs, detached (AReaL's ``reuse_train_logp``). Exact,
+  with no extra forward, where a step makes one optimizer update (``rl.minibatches: 1``): that
+  update's forward runs on the weights before the step, which are the proximal policy.
 * ``metrics``: train with ``recompute`` and report the loglinear approximation error (and the
   rollout engine's behaviour log-prob mismatch, see ``a3po.rollout.logprob_mismatch``).
 
@@ -69,10 +72,14 @@ class ProxInputs:
 class ProximalMethod(Protocol):
     """Returns ``(prox_logp, metrics)``. ``needs_forward`` says whether it runs the model;
     ``checks_behaviour`` whether the run should also re-score each rollout with the trainer's
-    forward to report the rollout engine's log-prob mismatch (``rollout/behav_logp_*``)."""
+    forward to report the rollout engine's log-prob mismatch (``rollout/behav_logp_*``);
+    ``single_update`` whether it is exact only where a step makes one optimizer update (it reads
+    the training forward, which leaves the step-start weights after the first update: the config
+    refuses it with several minibatches)."""
 
     needs_forward: bool
     checks_behaviour: bool
+    single_update: bool
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]: ...
 
@@ -96,6 +103,7 @@ def approximation_error(approx: torch.Tensor, exact: torch.Tensor, mask: torch.T
 class _Recompute:
     needs_forward = True
     checks_behaviour = False
+    single_update = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return inp.recompute_logp().detach(), {}
@@ -122,6 +130,7 @@ def _loglinear_on_mask(inp: ProxInputs) -> torch.Tensor:
 class _LogLinear:
     needs_forward = False
     checks_behaviour = False
+    single_update = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return _loglinear_on_mask(inp), {}
@@ -133,6 +142,7 @@ class _Metrics:
 
     needs_forward = True
     checks_behaviour = True
+    single_update = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         exact = inp.recompute_logp().detach()
@@ -145,12 +155,31 @@ class _OnPolicy:
 
     needs_forward = False
     checks_behaviour = False
+    single_update = False
 
     def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return inp.behav_logp.detach(), {}
+
+
+class _Reuse:
+    """The exact anchor at no cost where a step makes one update: ``log pi_prox = stopgrad(log pi_theta)``.
+
+    ``pi_prox`` is the weights before this step's update. With one minibatch the training forward
+    runs on exactly those weights, so its log-probs, detached, are recompute's anchor (to float
+    rounding: the same forward, with grad) without recompute's forward. After a first update the
+    training forward sees other weights, so with several minibatches it would anchor each one on
+    itself (ratio 1 everywhere, no trust region): ``single_update`` makes the config refuse that."""
+
+    needs_forward = False
+    checks_behaviour = False
+    single_update = True
+
+    def __call__(self, inp: ProxInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        return inp.theta_logp.detach(), {}
 
 
 PROXIMAL_METHODS.register("recompute")(_Recompute())
 PROXIMAL_METHODS.register("loglinear")(_LogLinear())
 PROXIMAL_METHODS.register("metrics")(_Metrics())
 PROXIMAL_METHODS.register("behaviour")(_OnPolicy())
+PROXIMAL_METHODS.register("reuse")(_Reuse())

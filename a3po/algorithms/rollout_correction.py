@@ -181,7 +181,8 @@ def mis_weights(log_ratio: torch.Tensor, mask: torch.Tensor, upper: float, lower
     elif mode == "mask":
         keep = (s >= math.log(lower)) & (s <= log_hi)
         weight = seq_ratio if level == "sequence" else torch.ones_like(seq_ratio)
-        c_seq, masked_seq, truncated_seq = torch.where(keep, weight, torch.zeros_like(weight)), ~keep, torch.zeros_like(keep)
+        c_seq = torch.where(keep, weight, torch.zeros_like(weight))
+        masked_seq, truncated_seq = ~keep, torch.zeros_like(keep)
     else:
         raise ValueError(f"unknown mode {mode!r}; valid: mask, truncate")
     c = torch.where(mask, c_seq[:, None].expand_as(lr), torch.zeros_like(lr))

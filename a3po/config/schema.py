@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Literal
 
 from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from a3po.algorithms.guard import GUARD_POLICIES
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, CorrectionSettings
@@ -31,6 +32,12 @@ MAX_LR = 1.0
 class ConfigError(ValueError):
     """A config value of the wrong type, out of range or unknown; the message starts with the
     source (file, preset or 'overrides') and the dotted field, e.g. ``my.yaml: rl.lr: ...``."""
+
+
+# Fields renamed since configs were first written, old dotted name -> new one (same section): a
+# config that names the old one is refused naming the new one, and a checkpoint's saved config
+# reads as the new name (a3po.config.compat), so runs saved before the rename still resume.
+RENAMED_FIELDS = {"oppo.d_inc": "oppo.delta_grow", "oppo.d_dec": "oppo.delta_shrink"}
 
 
 def _seed_ok(seed: int) -> bool:
@@ -106,7 +113,8 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules or not all(isinstance(m, str) and m.strip() for m in self.target_modules):
-            raise ValueError(f"model.lora.target_modules must be a non-empty list of module names, got {list(self.target_modules)}")
+            raise ValueError("model.lora.target_modules must be a non-empty list of module names, got "
+                             f"{list(self.target_modules)}")
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("model.name must be a built-in architecture, a named model, a directory or a hub name, got ''")
+            raise ValueError("model.name must be a built-in architecture, a named model, a "
+                             "directory or a hub name, got ''")
         if not _seed_ok(self.init_seed):
             raise ValueError(f"model.init_seed must be in [0, {MAX_SEED}], got {self.init_seed}")
 
@@ -177,8 +186,8 @@ class DataConfig:
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if not 1 <= self.n_train <= MAX_GENERATED_ROWS or not 1 <= self.n_heldout <= MAX_GENERATED_ROWS:
-            raise ValueError(f"data.n_train and data.n_heldout must be in [1, {MAX_GENERATED_ROWS}] (the embedded task holds "
-                             f"every row in memory), got {self.n_train}, {self.n_heldout}")
+            raise ValueError(f"data.n_train and data.n_heldout must be in [1, {MAX_GENERATED_ROWS}] "
+                             f"(the embedded task holds every row in memory), got {self.n_train}, {self.n_heldout}")
         if not _seed_ok(self.seed):
             raise ValueError(f"data.seed must be in [0, {MAX_SEED}], got {self.seed}")
         # Operands are drawn from [1, max_add] and [2, max_mul]: an empty range has no problem to draw.
@@ -189,7 +198,8 @@ class DataConfig:
         if not 0.0 <= self.long_tail_frac <= 1.0:
             raise ValueError(f"data.long_tail_frac must be in [0, 1], got {self.long_tail_frac}")
         if not 2 <= self.long_tail_steps <= 8:
-            raise ValueError(f"data.long_tail_steps must be in [2, 8] (prompts must fit max_prompt_tokens), got {self.long_tail_steps}")
+            raise ValueError("data.long_tail_steps must be in [2, 8] (prompts must fit max_prompt_tokens), "
+                             f"got {self.long_tail_steps}")
 
 
 @dataclass(frozen=True)
@@ -205,8 +215,8 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or not 0 < self.lr <= MAX_LR:
-            raise ValueError(f"warm_start.steps must be >= 0, warm_start.batch_size >= 1 and warm_start.lr in (0, {MAX_LR}], "
-                             f"got {self.steps}, {self.batch_size}, {self.lr}")
+            raise ValueError("warm_start.steps must be >= 0, warm_start.batch_size >= 1 and "
+                             f"warm_start.lr in (0, {MAX_LR}], got {self.steps}, {self.batch_size}, {self.lr}")
         if not _seed_ok(self.seed):
             raise ValueError(f"warm_start.seed must be in [0, {MAX_SEED}], got {self.seed}")
 
@@ -247,7 +257,22 @@ class RLConfig:
     """Advantage estimator (``a3po.algorithms.advantages``); the group-relative ones (grpo,
     dr_grpo) need ``group_size >= 2``."""
     proximal: str | None = None
-    """Override the variant's proximal method (e.g. 'metrics' to log loglinear's error)."""
+    """Override the variant's proximal method (``a3po.algorithms.proximal``): e.g. 'metrics' to log
+    loglinear's error, or 'reuse', recompute's exact anchor without its forward (needs ``minibatches: 1``)."""
+    guard_every: int = 0
+    """Steps between two exact checks of an approximate proximal anchor (loglinear; ``a3po.algorithms.guard``):
+    every ``guard_every``-th step recomputes the proximal log-probs of one minibatch's rows (one no-grad
+    forward of ``1 / minibatches`` of the batch) and logs the approximation's error (``guard/*``). 0: off."""
+    guard_max_err: float = 0.1
+    """The guard fires when the p99 over the checked tokens of |approximate - exact| proximal log-prob
+    (nats) exceeds this..."""
+    guard_max_iw: float = 5.0
+    """... or the p99 of the exact behaviour weight pi_prox / pi_behav exceeds this."""
+    guard_policy: str = "warn"
+    """What the run does when the guard fires (``a3po.algorithms.guard.GUARD_POLICIES``): 'warn' (log the
+    reason), 'tighten' (lower the staleness bound in force by one, not below 1, for the batches not yet
+    admitted; needs rollouts in process and ``schedule: threaded``), 'recompute' (train that step on the
+    recomputed anchor: one full-batch forward on that step)."""
     max_new_tokens: int = 24
     temperature: float = 0.7
     top_p: float = 1.0
@@ -298,10 +323,12 @@ class RLConfig:
             # 1 - eps_clip <= 0 is below every ratio: the lower clip would never act.
             raise ValueError(f"rl.eps_clip must be in (0, 1), got {self.eps_clip}")
         if self.eps_clip_high is not None and not 0 < self.eps_clip_high <= 10:
-            raise ValueError(f"rl.eps_clip_high must be in (0, 10] (a ratio of 11 is no trust region), got {self.eps_clip_high}")
+            raise ValueError("rl.eps_clip_high must be in (0, 10] (a ratio of 11 is no trust region), "
+                             f"got {self.eps_clip_high}")
         if not self.grad_clip > 0:
             # Clipping scales the gradient by grad_clip / norm: 0 zeroes every update, < 0 reverses it.
-            raise ValueError(f"rl.grad_clip must be > 0 (0 would zero every update and a negative one reverse it), got {self.grad_clip}")
+            raise ValueError("rl.grad_clip must be > 0 (0 would zero every update and a negative one reverse "
+                             f"it), got {self.grad_clip}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rl.max_new_tokens must be >= 1 (a response needs a token), got {self.max_new_tokens}")
         if self.behav_weight_cap is not None and self.behav_weight_cap <= 1:
@@ -311,7 +338,8 @@ class RLConfig:
             # and on-policy ratios would be the nucleus mass instead of 1.
             raise ValueError("rl.top_p must be 1.0 for training (use rl.temperature); top-p is for evaluation")
         if not 0 < self.lr <= MAX_LR or self.lr_warmup_steps < 0:
-            raise ValueError(f"rl.lr must be in (0, {MAX_LR}] and rl.lr_warmup_steps >= 0, got {self.lr}, {self.lr_warmup_steps}")
+            raise ValueError(f"rl.lr must be in (0, {MAX_LR}] and rl.lr_warmup_steps >= 0, got "
+                             f"{self.lr}, {self.lr_warmup_steps}")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"rl.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         if not 0.01 <= self.temperature <= 100:
@@ -323,7 +351,8 @@ class RLConfig:
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
         if not 0 <= self.log_completions <= 1000:
-            raise ValueError(f"rl.log_completions must be in [0, 1000] (rows per completion table; 0: none), got {self.log_completions}")
+            raise ValueError("rl.log_completions must be in [0, 1000] (rows per completion table; 0: none), "
+                             f"got {self.log_completions}")
         if not _seed_ok(self.seed):
             raise ValueError(f"rl.seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),
@@ -333,11 +362,39 @@ class RLConfig:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
                 raise KeyError(f"rl.{name}: {e.args[0]}") from None
+        self._check_guard()
+        if PROXIMAL_METHODS.get(self.proximal or self.variant.proximal_method).single_update and self.minibatches > 1:
+            # After the first update the training forward no longer runs on the step-start weights.
+            raise ValueError(f"rl.proximal {proximal_method_name(self)!r} reads the training forward's log-probs, "
+                             "the proximal policy only in a step's single update: it needs rl.minibatches 1, got "
+                             f"{self.minibatches} (use loglinear or recompute with several minibatches)")
         self._check_rollout_correction()
         if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
             # A group of one is its own mean: every advantage would be 0 and nothing would learn.
             raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
                              "estimator needs rl.group_size >= 2 (each sample is compared with its group's others)")
+
+    def _check_guard(self) -> None:
+        try:
+            GUARD_POLICIES.get(self.guard_policy)
+        except KeyError as e:
+            raise KeyError(f"rl.guard_policy: {e.args[0]}") from None
+        if self.guard_every < 0:
+            raise ValueError(f"rl.guard_every must be >= 0 (0: no guard), got {self.guard_every}")
+        if not self.guard_max_err > 0 or not self.guard_max_iw > 1:
+            # The behaviour weight of on-policy tokens is 1: a bound at or below it always fires.
+            raise ValueError(f"rl.guard_max_err must be > 0 and rl.guard_max_iw > 1, got {self.guard_max_err}, "
+                             f"{self.guard_max_iw}")
+        if not self.guard_every:
+            return
+        name = self.proximal or self.variant.proximal_method
+        method = PROXIMAL_METHODS.get(name)
+        if method.needs_forward or method.single_update:
+            raise ValueError(f"rl.guard_every is set but rl.proximal {name!r} is exact already: the guard checks an "
+                             "approximate anchor (loglinear)")
+        if effective_max_staleness(self) == 0:
+            raise ValueError(f"rl.guard_every is set but rl.variant {self.variant.value!r} trains on-policy "
+                             "(staleness bound 0): there is no approximation to check")
 
     def _check_rollout_correction(self) -> None:
         try:
@@ -348,8 +405,8 @@ class RLConfig:
         for option in ("cap", "lower", "level", "mode"):
             if getattr(s, option) is not None and option not in method.options:
                 used = ", ".join(f"rl.rollout_correction_{o}" for o in sorted(method.options)) or "none"
-                raise ValueError(f"rl.rollout_correction_{option} is set but rl.rollout_correction {self.rollout_correction!r} "
-                                 f"does not read it (it reads: {used})")
+                raise ValueError(f"rl.rollout_correction_{option} is set but rl.rollout_correction "
+                                 f"{self.rollout_correction!r} does not read it (it reads: {used})")
         if s.cap is not None and not 1 < s.cap <= 1e6:
             # A cap <= 1 would cut (or drop) the ratio of tokens the two numerics agree on.
             raise ValueError(f"rl.rollout_correction_cap must be in (1, 1e6], got {s.cap}")
@@ -405,7 +462,8 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.critic_lr <= MAX_LR or self.vf_coef <= 0:
-            raise ValueError(f"ppo.critic_lr must be in (0, {MAX_LR}] and ppo.vf_coef > 0, got {self.critic_lr}, {self.vf_coef}")
+            raise ValueError(f"ppo.critic_lr must be in (0, {MAX_LR}] and ppo.vf_coef > 0, got "
+                             f"{self.critic_lr}, {self.vf_coef}")
         if self.critic_init_path is not None and self.critic != "policy_copy":
             raise ValueError("ppo.critic_init_path is set but ppo.critic is 'none'")
         if self.critic_epochs < 1:
@@ -416,11 +474,13 @@ class PPOConfig:
             raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
         # Coefficients past 1000 dwarf every other term and overflow the loss or reward at the extreme.
         if not self.vf_coef <= 1000 or not 0 <= self.kl_coef <= 1000:
-            raise ValueError(f"ppo.vf_coef must be in (0, 1000] and ppo.kl_coef in [0, 1000], got {self.vf_coef}, {self.kl_coef}")
+            raise ValueError("ppo.vf_coef must be in (0, 1000] and ppo.kl_coef in [0, 1000], got "
+                             f"{self.vf_coef}, {self.kl_coef}")
         if self.reward == "model" and not self.reward_model_path:
             raise ValueError("ppo.reward is 'model' but ppo.reward_model_path is not set")
         if self.reward == "grader" and self.reward_model_path:
-            raise ValueError("ppo.reward_model_path is set but ppo.reward is 'grader' (set ppo.reward: model to use it)")
+            raise ValueError("ppo.reward_model_path is set but ppo.reward is 'grader' (set "
+                             "ppo.reward: model to use it)")
 
 
 def effective_max_staleness(rl: RLConfig) -> int:
@@ -462,14 +522,15 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         if self.deepspeed_config == "":
-            raise ValueError("distributed.deepspeed_config is '': give a JSON file, or null for one plain torch process")
+            raise ValueError("distributed.deepspeed_config is '': give a JSON file, or null "
+                             "for one plain torch process")
         if self.rollout_workers < 0:
             raise ValueError(f"distributed.rollout_workers must be >= 0, got {self.rollout_workers}")
         if not 0 <= self.rollout_cores <= MAX_THREADS:
             raise ValueError(f"distributed.rollout_cores must be in [0, {MAX_THREADS}], got {self.rollout_cores}")
         if self.rollout_cores and not self.rollout_workers:
-            raise ValueError("distributed.rollout_cores is set but distributed.rollout_workers is 0: there is no rollout worker "
-                             "to own them (rollouts in process share the trainer's cores)")
+            raise ValueError("distributed.rollout_cores is set but distributed.rollout_workers is 0: "
+                             "there is no rollout worker to own them (rollouts in process share the trainer's cores)")
 
 
 @dataclass(frozen=True)
@@ -492,31 +553,37 @@ class RolloutConfig:
     for the model's type, e.g. qwen2 / llama, where it covers the config; else the model's own
     forward), 'generic' (always the model's own forward with a DynamicCache), or a registered name."""
     dtype: DType | None = None
-    """The torch engine's weight dtype: null (the trainer's, ``dtype``) or 'bfloat16' / 'float32'. A
-    bf16 engine beside an fp32 trainer samples from a bf16 copy of each version: an engine whose
-    log-probs differ from the trainer's, as a bf16 inference engine's do (what
-    ``rl.rollout_correction`` corrects). The torch engine only: vLLM runs in ``dtype``."""
+    """The torch engine's weight dtype: null (the run's precision decides: the trainer's weight dtype,
+    or bf16 under ``dtype: auto`` where bf16 is native, :func:`a3po.devices.resolve_precision`) or
+    'bfloat16' / 'float32'. A bf16 engine beside an fp32 trainer samples from a bf16 copy of each
+    version: an engine whose log-probs differ from the trainer's, as a bf16 inference engine's do
+    (what ``rl.rollout_correction`` corrects). The torch engine only: vLLM runs in the run's precision."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             try:
                 object.__setattr__(self, "dtype", DType(self.dtype))
             except ValueError:
-                raise ValueError(f"rollout.dtype must be null or one of {[e.value for e in DType]}, got {self.dtype!r}") from None
+                choices = [e.value for e in DType if e is not DType.AUTO]
+                raise ValueError(f"rollout.dtype must be null or one of {choices}, got {self.dtype!r}") from None
+            if self.dtype is DType.AUTO:  # null already follows the run's precision
+                raise ValueError("rollout.dtype must be null (the run's precision decides), 'float32' or "
+                                 "'bfloat16', got 'auto'")
             if self.engine != "torch":
-                raise ValueError(f"rollout.dtype is for the torch engine; the {self.engine} engine runs in the trainer's dtype "
-                                 "(set dtype, or leave rollout.dtype null)")
+                raise ValueError(f"rollout.dtype is for the torch engine; the {self.engine} engine "
+                                 "runs in the trainer's dtype (set dtype, or leave rollout.dtype null)")
         try:
             engine = ROLLOUT_ENGINE_NAMES.get(self.engine)
         except KeyError as e:
             raise KeyError(f"rollout.engine: {e.args[0]}") from None
         if self.weight_updates == "decode_step" and not engine.mid_batch_updates:
-            raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine only loads weights between "
-                             "batches; use 'batch' (or null)")
+            raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine "
+                             "only loads weights between batches; use 'batch' (or null)")
         if self.decoder != "auto" and self.decoder not in DECODER_NAMES:
             raise ValueError(f"rollout.decoder must be 'auto' or one of {sorted(DECODER_NAMES)}, got {self.decoder!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+            raise ValueError("rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.vllm_gpu_memory_utilization}")
 
 
 def mid_batch_updates(rollout: RolloutConfig) -> bool:
@@ -547,23 +614,25 @@ class OppoConfig:
     """Extra groups admitted per step at the start (Delta)."""
     delta_min: int = 0
     delta_max: int = 8
-    d_inc: int = 1
+    delta_grow: int = 1
     """Delta grows by this while the mean reward's slope over ``window`` steps is positive..."""
-    d_dec: int = 1
+    delta_shrink: int = 1
     """...and shrinks by this otherwise."""
     window: int = 5
     """Steps in the reward-slope window (>= 2: a slope needs two points)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_min <= self.chunk_max:
-            raise ValueError(f"oppo.chunk_min and oppo.chunk_max: need 1 <= chunk_min <= chunk_max, got {self.chunk_min}, {self.chunk_max}")
+            raise ValueError("oppo.chunk_min and oppo.chunk_max: need 1 <= chunk_min <= chunk_max, got "
+                             f"{self.chunk_min}, {self.chunk_max}")
         if self.chunk_probe_every < 1:
             raise ValueError(f"oppo.chunk_probe_every must be >= 1, got {self.chunk_probe_every}")
         if not 0 <= self.delta_min <= self.delta_init <= self.delta_max:
             raise ValueError("oppo.delta_*: need 0 <= delta_min <= delta_init <= delta_max, got "
                              f"{self.delta_min}, {self.delta_init}, {self.delta_max}")
-        if self.d_inc < 0 or self.d_dec < 0:
-            raise ValueError(f"oppo.d_inc and oppo.d_dec must be >= 0, got {self.d_inc}, {self.d_dec}")
+        if self.delta_grow < 0 or self.delta_shrink < 0:
+            raise ValueError("oppo.delta_grow and oppo.delta_shrink must be >= 0, got "
+                             f"{self.delta_grow}, {self.delta_shrink}")
         if self.window < 2:
             raise ValueError(f"oppo.window must be >= 2 (a slope needs two points), got {self.window}")
 
@@ -597,52 +666,92 @@ class TrainConfig:
     device: Device = Device.AUTO
     """Where the model, rollouts and training run: 'auto' (cuda when available), 'cpu', 'cuda'."""
     dtype: DType = DType.FLOAT32
-    """Weight dtype: 'float32' or 'bfloat16' (bf16 weights, autocast on CUDA; log-probs and
-    losses in fp32 either way)."""
+    """Precision: 'float32', 'bfloat16' (bf16 weights, autocast on CUDA; on a CPU without native bf16
+    it runs, emulated and several times slower, with a warning at start) or 'auto' (fp32 weights and
+    AdamW state; forwards and backwards under bf16 autocast and a bf16 rollout engine where the
+    hardware has native bf16: CUDA, or a CPU reporting AMX-BF16 / AVX512-BF16; fp32 elsewhere).
+    Log-probs and losses in fp32 in every case (:func:`a3po.devices.resolve_precision`)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.torch_threads <= MAX_THREADS or not all(0 <= n <= MAX_THREADS for n in (self.update_threads, self.generate_threads)):
-            raise ValueError(f"torch_threads must be >= 1, update_threads and generate_threads >= 0, all at most {MAX_THREADS} (threads "
-                             f"beyond the cores only cost; torch crashes on huge counts), got {self.torch_threads}, {self.update_threads} "
-                             f"and {self.generate_threads}")
+        if not 1 <= self.torch_threads <= MAX_THREADS or not all(0 <= n <= MAX_THREADS
+                                                                 for n in (self.update_threads, self.generate_threads)):
+            raise ValueError("torch_threads must be >= 1, update_threads and generate_threads >= 0, all at "
+                             f"most {MAX_THREADS} (threads beyond the cores only cost; torch crashes on huge counts), "
+                             f"got {self.torch_threads}, {self.update_threads} and {self.generate_threads}")
         if not self.output_dir:
             raise ValueError("output_dir must be a directory name, got ''")
         for name, enum in (("device", Device), ("dtype", DType)):
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
-                raise ValueError(f"{name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}") from None
+                raise ValueError(f"{name} must be one of {[e.value for e in enum]}, "
+                                 f"got {getattr(self, name)!r}") from None
         if self.oppo.inter and proximal_method_name(self.rl) == "behaviour":
             # Carried tokens are stale; the behaviour-only proximal would anchor the trust region there.
             raise ValueError("oppo.inter carries tokens over to later policy versions: use a staleness-aware "
                              "proximal method (rl.variant loglinear, recompute, or rl.proximal loglinear/recompute)")
         if self.oppo.intra:
             if self.ppo.kl_coef == 0 and self.ppo.critic == "none" and self.ppo.reward != "model":
-                raise ValueError("oppo.intra needs scoring models to overlap with decoding (ppo.kl_coef > 0, ppo.critic, "
-                                 "or ppo.reward: model): the PPO path; the GRPO path has none")
+                raise ValueError("oppo.intra needs scoring models to overlap with decoding "
+                                 "(ppo.kl_coef > 0, ppo.critic, or ppo.reward: model): the PPO "
+                                 "path; the GRPO path has none")
         if self.rl.rollout_correction != "none" and self.oppo.inter:
             # Carried tokens keep only their version numbers, and the overlap producer re-scores nothing.
-            raise ValueError("rl.rollout_correction with oppo.inter is not supported yet: the trainer's log-probs of a carried "
-                             "token's behaviour version are not kept; use oppo.inter: false")
-        if self.rl.rollout_correction != "none" and self.distributed.rollout_workers and effective_max_staleness(self.rl) > 0:
+            raise ValueError("rl.rollout_correction with oppo.inter is not supported yet: the "
+                             "trainer's log-probs of a carried token's behaviour version are not "
+                             "kept; use oppo.inter: false")
+        if (self.rl.rollout_correction != "none" and self.distributed.rollout_workers
+                and effective_max_staleness(self.rl) > 0):
             # Async: the producer re-scores each batch (a3po.algorithms.rollout_correction.trainer_logp_source);
             # rollout workers do not send those log-probs back yet. Sync computes them in the trainer.
-            raise ValueError("rl.rollout_correction with distributed.rollout_workers needs every token on-policy (rl.variant sync "
-                             "or rl.max_staleness 0): asynchronously the workers would have to send the trainer's log-probs back")
+            raise ValueError("rl.rollout_correction with distributed.rollout_workers needs every token "
+                             "on-policy (rl.variant sync or rl.max_staleness 0): asynchronously the workers would have "
+                             "to send the trainer's log-probs back")
+        if self.rl.guard_every and GUARD_POLICIES.get(self.rl.guard_policy).tightens:
+            self._check_tighten()
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
-            raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set ppo.critic (e.g. 'policy_copy')")
+            raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set "
+                             "ppo.critic (e.g. 'policy_copy')")
         if not needs_values and self.ppo.critic != "none":  # a critic nobody reads would only cost time
-            raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does not use values (use gae)")
+            raise ValueError(f"ppo.critic is {self.ppo.critic!r} but rl.advantage {self.rl.advantage!r} does "
+                             "not use values (use gae)")
+        if self.data.train_path is None and self.rl.batch_prompts > self.data.n_train:
+            # Each batch draws rl.batch_prompts distinct rows: a smaller set would cut every batch below the size
+            # the staleness bound's admission counts (a3po.data.datasets.require_batch_rows checks files when read).
+            raise ValueError(f"rl.batch_prompts {self.rl.batch_prompts} is more than data.n_train "
+                             f"{self.data.n_train}: every batch "
+                             "draws that many distinct training problems; lower rl.batch_prompts or raise data.n_train")
         if self.model.lora is not None:
             self._check_lora()
-        if self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None and not self.distributed.rollout_workers:
+        if (self.rollout.engine != "torch" and self.distributed.deepspeed_config is not None
+                and not self.distributed.rollout_workers):
             # With rollout workers the engine runs in the workers alone and the trainer ranks only train.
-            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config and no rollout workers: "
-                             "every trainer rank would start its own engine; run the engine in distributed.rollout_workers")
+            raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config "
+                             "and no rollout workers: every trainer rank would start its own engine; run the engine in "
+                             "distributed.rollout_workers")
+
+    def _check_tighten(self) -> None:
+        """Where the guard may lower the staleness bound mid-run: admission alone must enforce it."""
+        if self.distributed.rollout_workers:
+            # Each worker process admits batches against its own copy of the bound; nothing sends it a new one.
+            raise ValueError("rl.guard_policy 'tighten' with distributed.rollout_workers is not supported: each "
+                             "worker admits batches under its own copy of the bound, which the trainer cannot lower; "
+                             "use 'warn' or 'recompute', or rollouts in process (distributed.rollout_workers 0)")
+        if self.rl.schedule == "deterministic":
+            # The schedule derives each batch's versions, and the store the versions it keeps, from the bound.
+            raise ValueError("rl.guard_policy 'tighten' with rl.schedule 'deterministic': the schedule fixes each "
+                             "batch's weight versions, and the versions the store keeps, from rl.max_staleness for the "
+                             "whole run; use rl.schedule 'threaded', or rl.guard_policy 'warn' or 'recompute'")
 
     def _check_lora(self) -> None:
-        """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and rollout workers run with it)."""
+        """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and
+        rollout workers run with it)."""
         if self.ppo.critic != "none":
-            raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the critic copies the policy's "
-                             "backbone (whose layers peft has wrapped) and trains all of it, the full-size update LoRA avoids")
+            raise ValueError(f"ppo.critic {self.ppo.critic!r} with model.lora is not supported: the "
+                             "critic copies the policy's backbone (whose layers peft has wrapped) and trains all of "
+                             "it, the full-size update LoRA avoids")
+        if self.model.lora.dropout > 0 and PROXIMAL_METHODS.get(proximal_method_name(self.rl)).single_update:
+            raise ValueError(f"rl.proximal {proximal_method_name(self.rl)!r} with model.lora.dropout "
+                             f"{self.model.lora.dropout}: the training forward drops adapter inputs, so its "
+                             "log-probs are not the proximal policy's; set model.lora.dropout 0 or use recompute")

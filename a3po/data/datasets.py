@@ -68,11 +68,15 @@ def validate_rows(
 ) -> tuple[list[dict], DatasetReport]:
     """Check every row has a non-empty string prompt and gold (read from ``fields``, the
     prompt and gold field names; kept rows carry them as 'prompt' and 'gold' as well), has
-    ``extra_fields``, and that its prompt, formatted by ``style``, fits the prompt budget."""
+    ``extra_fields``, that its prompt, formatted by ``style``, fits the prompt budget, and that
+    its id (``id``, else ``<source>#<index>``) is not a kept row's."""
     report = DatasetReport(source=source, n_rows=len(rows))
     kept = []
+    rows_of_id: dict[str, int] = {}  # id -> the row that holds it: ids name rows (completion tables, errors)
     for i, row in enumerate(rows):
-        where = f"{source}: row {row.get('_row', i + 1)}"
+        number = row.get("_row", i + 1)
+        where = f"{source}: row {number}"
+        rid = str(row.get("id", f"{source}#{i}"))
         problem = None
         missing = [k for k in (*fields, *extra_fields) if k not in row]
         if "_error" in row:
@@ -85,9 +89,13 @@ def validate_rows(
             n_tok = len(tokenizer(style.render(row[fields[0]], tokenizer), add_special_tokens=False)["input_ids"])
             if n_tok > max_prompt_tokens:
                 problem = f"prompt has {n_tok} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
+            elif rid in rows_of_id:
+                problem = (f"id {rid!r} is also the id of row {rows_of_id[rid]} "
+                           "(ids must be unique: rows are looked up by id)")
         if problem is None:
+            rows_of_id[rid] = number
             named = dict(zip(REQUIRED_FIELDS, (row[fields[0]], row[fields[1]]), strict=True))
-            kept.append({**{k: v for k, v in row.items() if k != "_row"}, **named, "id": str(row.get("id", f"{source}#{i}"))})
+            kept.append({**{k: v for k, v in row.items() if k != "_row"}, **named, "id": rid})
             continue
         if on_bad_row == "error":
             raise BadRowError(f"{where}: {problem}")
@@ -98,13 +106,27 @@ def validate_rows(
     return kept, report
 
 
-def load_rows(cfg: DataConfig, tokenizer, require_solution: bool = False) -> tuple[list[dict], list[dict], list[DatasetReport]]:
+def require_batch_rows(rows: list[dict], cfg: DataConfig, batch_prompts: int) -> None:
+    """BadRowError naming the training set when it holds fewer usable rows than one batch draws
+    (``rl.batch_prompts`` distinct prompts): a batch cut to the set would be smaller than the size
+    the staleness bound admits, and the producer would run ahead of the bound."""
+    if len(rows) < batch_prompts:
+        source = cfg.train_path or "arith:train (data.n_train)"
+        raise BadRowError(f"{source}: {len(rows)} usable training rows, fewer than rl.batch_prompts "
+                          f"{batch_prompts} (each batch "
+                          "draws that many distinct problems); lower rl.batch_prompts or add rows")
+
+
+def load_rows(cfg: DataConfig, tokenizer,
+              require_solution: bool = False) -> tuple[list[dict], list[dict], list[DatasetReport]]:
     """Train and held-out rows for ``cfg``, validated against ``tokenizer``. With
     ``require_solution`` (a warm start will run) every training row needs a 'solution'."""
     diff = ArithmeticDifficulty(max_add=cfg.max_add, max_mul=cfg.max_mul, slip_rate=cfg.teacher_slip_rate,
                                 long_tail_frac=cfg.long_tail_frac, long_tail_steps=cfg.long_tail_steps)
-    raw_train = read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path else generate_split(cfg.n_train, "train", cfg.seed, diff)
-    raw_held = read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff)
+    raw_train = (read_jsonl(cfg.train_path, cfg.on_bad_row) if cfg.train_path
+                 else generate_split(cfg.n_train, "train", cfg.seed, diff))
+    raw_held = (read_jsonl(cfg.heldout_path, cfg.on_bad_row) if cfg.heldout_path
+                else generate_split(cfg.n_heldout, "heldout", cfg.seed, diff))
     try:
         style = prompt_style(cfg)
         style.render("x", tokenizer)  # 'chat' without a chat template fails here, before any row
@@ -114,10 +136,12 @@ def load_rows(cfg: DataConfig, tokenizer, require_solution: bool = False) -> tup
     check = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row, style=style, fields=fields)
     solution = ("solution",) if require_solution else ()
     try:
-        train, r1 = validate_rows(raw_train, tokenizer, source=cfg.train_path or "arith:train", extra_fields=solution, **check)
+        train, r1 = validate_rows(raw_train, tokenizer, source=cfg.train_path or "arith:train",
+                                  extra_fields=solution, **check)
     except BadRowError as e:
         if require_solution and "'solution'" in str(e):
-            raise BadRowError(f"{e} (the warm start trains on it; set warm_start.steps: 0 to skip the warm start)") from None
+            raise BadRowError(f"{e} (the warm start trains on it; set warm_start.steps: "
+                              "0 to skip the warm start)") from None
         raise
     held, r2 = validate_rows(raw_held, tokenizer, source=cfg.heldout_path or "arith:heldout", **check)
     return train, held, [r1, r2]

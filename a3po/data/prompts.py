@@ -31,13 +31,15 @@ def resolved_format(tokenizer: Any, fmt: str) -> str:
     if fmt not in PROMPT_FORMATS:
         raise ValueError(f"prompt format must be one of {list(PROMPT_FORMATS)}, got {fmt!r}")
     if fmt == "chat" and not has_chat_template(tokenizer):
-        raise ValueError("prompt format 'chat' needs a tokenizer with a chat template (this one has none); use 'plain' or 'auto'")
+        raise ValueError("prompt format 'chat' needs a tokenizer with a chat template (this one has "
+                         "none); use 'plain' or 'auto'")
     if fmt == "auto":
         return "chat" if has_chat_template(tokenizer) else "plain"
     return fmt
 
 
-def format_prompt(text: str, tokenizer: Any, fmt: str = "auto", instruction: str = "", system: str | None = None) -> str:
+def format_prompt(text: str, tokenizer: Any, fmt: str = "auto", instruction: str = "",
+                  system: str | None = None) -> str:
     """The model input for ``text`` (a bare problem or a dataset row's prompt), with
     ``instruction`` on a line of its own after it when given."""
     content = f"{text}\n{instruction}" if instruction else text

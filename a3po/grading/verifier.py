@@ -26,7 +26,8 @@ from a3po.grading.verify_worker import read_frame, write_frame
 _WORKER_SCRIPT = Path(__file__).with_name("verify_worker.py")
 # Run the worker by path with sys.path[0] removed, so neither the caller's cwd nor this folder
 # (which holds modules named like common top-level packages) can shadow what sympy imports.
-_LAUNCH = "import runpy, sys; sys.path.pop(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+_LAUNCH = ("import runpy, sys; sys.path.pop(0); sys.argv = sys.argv[1:]; "
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 class GraderUnavailable(RuntimeError):
@@ -108,7 +109,8 @@ class Verifier:
             if ready is not None:  # it ran, and said why it cannot work
                 why = ready.get("error") or "it reported that it is not ready"
             elif why is None:  # EOF before the ready frame: it died (its traceback is on stderr)
-                why = f"it exited with code {proc.returncode} before it was ready; is math-verify installed for {self.python}?"
+                why = (f"it exited with code {proc.returncode} before it was ready; "
+                       f"is math-verify installed for {self.python}?")
             raise GraderUnavailable(f"math-verify worker did not start ({self.python} {_WORKER_SCRIPT}): {why}")
         self._proc = proc
         return proc

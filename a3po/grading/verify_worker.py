@@ -177,7 +177,8 @@ class _MemoryWatch:
         if isinstance(error, (MemoryError, _OutOfMemory)):
             raise Starved("MemoryError") from error
         if self.seen[0] or _OutOfMemory.created[0] or lost:
-            raise Starved("MemoryError caught inside math-verify" if not lost else "MemoryError in the memory watch") from error
+            where = "caught inside math-verify" if not lost else "in the memory watch"
+            raise Starved(f"MemoryError {where}") from error
         if error is not None:
             raise error
         return out
@@ -272,7 +273,8 @@ def _evaluate_forever(req_r: int, resp_w: int, uncatchable: bool) -> None:
         try:
             reply = {"ok": watch.run(equivalent, req["g"], req["p"]), "timeout": False, "err": None, "mem": False}
         except (Starved, _OutOfMemory) as e:  # no verdict (an _OutOfMemory here: even Starved found no memory)
-            reply = {"ok": False, "timeout": False, "err": f"{str(e) or 'MemoryError'} (evaluator short of memory)", "mem": True}
+            reply = {"ok": False, "timeout": False, "err": f"{str(e) or 'MemoryError'} (evaluator short of memory)",
+                     "mem": True}
         except BaseException as e:  # noqa: BLE001 - RecursionError, sympy internals
             err = str(e) if isinstance(e, GoldNotParsed) else type(e).__name__
             reply = {"ok": False, "timeout": False, "err": err, "mem": False}

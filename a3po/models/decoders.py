@@ -110,7 +110,8 @@ def _llama_like_supported(model: torch.nn.Module) -> bool:
     core = getattr(model, "model", None)
     if cfg is None or core is None or not hasattr(model, "lm_head"):
         return False
-    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default")
+    rope_settings = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope = rope_settings.get("rope_type", "default")
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
     # Forward hooks (tests scripting outputs, instrumentation) must keep firing: this path calls
     # no module's forward but the head's.
@@ -118,7 +119,8 @@ def _llama_like_supported(model: torch.nn.Module) -> bool:
     return (not hooked and _plain_layers(core) and getattr(cfg, "hidden_act", None) == "silu" and rope in _STATIC_ROPE
             and all(t == "full_attention" for t in layer_types) and not getattr(cfg, "use_sliding_window", False)
             and getattr(cfg, "pretraining_tp", 1) == 1 and hasattr(core, "rotary_emb")
-            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm") for layer in core.layers))
+            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm")
+                    for layer in core.layers))
 
 
 def _plain_layers(core: torch.nn.Module) -> bool:
@@ -178,7 +180,8 @@ def _fused_layers(model: torch.nn.Module) -> list[tuple]:
             layers.append((
                 layer.input_layernorm.weight, torch.cat(ws), b_proj, a.o_proj.weight.t(), a.o_proj.bias,
                 layer.post_attention_layernorm.weight, torch.cat(gate_up),
-                _cat_bias(gate_up, [mlp.gate_proj.bias, mlp.up_proj.bias]), mlp.down_proj.weight.t(), mlp.down_proj.bias))
+                _cat_bias(gate_up, [mlp.gate_proj.bias, mlp.up_proj.bias]), mlp.down_proj.weight.t(),
+                mlp.down_proj.bias))
     _FUSED[model] = (key, layers)
     return layers
 
@@ -256,7 +259,8 @@ class LlamaLikeDecoder:
         # Causal and padding mask; each position also sees itself, so a padding position's output
         # stays finite (real positions never attend to padding).
         causal = torch.ones((w, w), dtype=torch.bool, device=ids.device).tril()
-        allowed = ((causal[None] & u_mask[:, None, :]) | torch.eye(w, dtype=torch.bool, device=ids.device)[None])[:, None]
+        diagonal = torch.eye(w, dtype=torch.bool, device=ids.device)
+        allowed = ((causal[None] & u_mask[:, None, :]) | diagonal[None])[:, None]
         with autocast_for(self.model):
             x = F.embedding(u_ids.reshape(-1), self.embed)  # (u w, H)
             cos, sin = self.cos[u_pos], self.sin[u_pos]

@@ -6,8 +6,10 @@ tokenizer loaded from a local path or hub name. The training and rollout code is
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import (
@@ -20,7 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from a3po.data.arithmetic import WORDS
+from a3po.devices import autocasts, model_device, model_dtype, set_autocast
 from a3po.models.sources import MODEL_SOURCES
 from a3po.models.tokenizer import build_tokenizer
 
@@ -77,36 +79,114 @@ def build_tiny_model(
 
 
 def load_model(
-    name: str | Path, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    name: str | Path, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    words: Sequence[str] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` for a model name as configs and command lines give it: a built-in
-    size (:data:`TINY_ARCHS`, randomly initialised from ``seed`` over the embedded task's
-    vocabulary), a named model source (:data:`a3po.models.sources.MODEL_SOURCES`, converted
-    into its cache folder on first use) or a local path / hub name of any causal LM."""
+    size (:data:`TINY_ARCHS`, randomly initialised from ``seed``, its in-code tokenizer over
+    ``words``, the vocabulary of the task it is built for), a named model source
+    (:data:`a3po.models.sources.MODEL_SOURCES`, converted into its cache folder on first use) or a
+    local path / hub name of any causal LM (``words`` unused: the tokenizer comes with it)."""
     if str(name) in TINY_ARCHS:
-        return build_tiny_model(str(name), WORDS, seed=seed, device=device, dtype=dtype)
+        return build_tiny_model(str(name), _tiny_words(name, words), seed=seed, device=device, dtype=dtype)
     if str(name) in MODEL_SOURCES:
         return load_pretrained(MODEL_SOURCES.get(str(name)).folder(), dtype=dtype, device=device)
     return load_pretrained(name, dtype=dtype, device=device)
 
 
-def load_tokenizer(name: str | Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str | Path, words: Sequence[str] | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of :func:`load_model` without loading the model's weights."""
     if str(name) in TINY_ARCHS:
-        return build_tokenizer(WORDS)
+        return build_tokenizer(_tiny_words(name, words))
     if str(name) in MODEL_SOURCES:
         return _load_tokenizer(str(MODEL_SOURCES.get(str(name)).folder()))
     return _load_tokenizer(_source(name))
 
 
+def _tiny_words(name: str | Path, words: Sequence[str] | None) -> Sequence[str]:
+    """``words``, which a built-in size needs: its tokenizer is built from them, not loaded."""
+    if words is None:
+        raise ValueError(f"model {str(name)!r} is built from scratch: its tokenizer needs the task's vocabulary "
+                         "(words=...)")
+    return words
+
+
+class ModelFolderError(ValueError):
+    """A model folder or hub name that is not loaded: code of its own to run, no safe weights, no
+    config, or a hub name that cannot be reached. The message is one line naming the folder or name."""
+
+
+# Weights that load without unpickling, and those that need it (torch.load of a pickle: refused).
+SAFE_WEIGHTS = ("*.safetensors",)
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+HUB_TIMEOUT_S = 10.0
+
+
 def _source(name_or_path: str | Path) -> str:
-    """A local directory's path, or the hub name. Raises FileNotFoundError with the path when a
-    local-looking path does not exist, rather than letting the hub client try (and time out)
-    offline."""
+    """A local directory's path (checked by :func:`check_model_folder`), or a hub name (checked by
+    :func:`check_hub_name`). Raises FileNotFoundError with the path when a local-looking path does
+    not exist, rather than letting the hub client try (and time out) offline."""
     p = Path(name_or_path)
     if (str(name_or_path).startswith((".", "/", "~")) or p.exists()) and not p.expanduser().exists():
         raise FileNotFoundError(f"model path {p} does not exist")
-    return str(p.expanduser()) if p.exists() else str(name_or_path)
+    if p.expanduser().exists():
+        check_model_folder(p.expanduser())
+        return str(p.expanduser())
+    check_hub_name(str(name_or_path))
+    return str(name_or_path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_model_folder(folder: Path) -> None:
+    """ModelFolderError unless ``folder`` holds a model this library loads without running code:
+    a ``config.json`` without ``auto_map`` (classes of the folder's own code, which transformers
+    would import; so neither may ``tokenizer_config.json``) and safetensors weights (pickle
+    weights alone are refused: unpickling can run code)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelFolderError(f"model path {folder} is not a folder")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelFolderError(f"model folder {folder} has no config.json (save the model with save_pretrained)")
+    for name in ("config.json", "tokenizer_config.json"):
+        if (folder / name).is_file() and "auto_map" in _read_json(folder / name):
+            raise ModelFolderError(f"{folder / name}: 'auto_map' names code of the folder's own, "
+                                   "which is never run here; use a model whose classes transformers ships")
+    if any(any(folder.glob(g)) for g in SAFE_WEIGHTS):
+        return
+    pickles = sorted(p.name for g in PICKLE_WEIGHTS for p in folder.glob(g))
+    if pickles:
+        raise ModelFolderError(f"model folder {folder} holds only pickle weights "
+                               f"({', '.join(pickles[:3])}), which can run code "
+                               "when loaded; convert them to safetensors (save_pretrained(safe_serialization=True))")
+    raise ModelFolderError(f"model folder {folder} has no weights (*.safetensors)")
+
+
+def check_hub_name(name: str) -> None:
+    """ModelFolderError when the hub name ``name`` is neither in the local hub cache nor reachable
+    (one request of at most :data:`HUB_TIMEOUT_S`): offline, transformers would fail after
+    retries with a long traceback."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    what = f"model {name!r} is not a local folder, a built-in architecture ({', '.join(TINY_ARCHS)}) or a named model"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise ModelFolderError(f"{what}, and it is not in the hub cache (HF_HUB_OFFLINE is set)")
+    try:
+        model_info(name, timeout=HUB_TIMEOUT_S)
+    except Exception as e:  # no network, no such repository, a gated one: the hub client's first line says which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelFolderError(f"{what}, and the hub does not serve it ({type(e).__name__}: {first[:200]})") from None
 
 
 def load_pretrained(
@@ -118,13 +198,15 @@ def load_pretrained(
     weights are read)."""
     source = _source(name_or_path)
     tokenizer = _load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    # trust_remote_code=False: never the folder's own code, whatever answers transformers' prompt on stdin.
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=False).to(device)
     return model.eval(), tokenizer
 
 
 # Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece, tiktoken); a
 # folder with none of them is a model saved without its tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 
 def _check_tokenizer_files(folder: Path) -> None:
@@ -153,17 +235,31 @@ def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     if cfg_file.exists():
         tok_class = json.loads(cfg_file.read_text()).get("tokenizer_class")
         if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source, trust_remote_code=False)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     if len(tokenizer) < 2:  # whatever the files said, nothing can be tokenised with it
         raise ValueError(f"the tokenizer loaded from {source} has {len(tokenizer)} token(s); its files are incomplete")
     if tokenizer.pad_token_id is None:
         # Many chat models ship without a pad token; padding is always masked, so eos serves.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def empty_like(policy: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A model of ``policy``'s class and config on its device, in ``dtype`` (default: the policy's),
+    with freshly initialised weights for the caller to overwrite (``load_state_dict``): a rollout
+    engine's copy, a re-scoring copy, a plain model to export. Built in place on the device, so a
+    large model is never initialised on the CPU; left in the mode a new module has (training).
+    A copy in the policy's own dtype (``dtype`` None) also computes as it does: under bf16 autocast
+    when the policy is marked for it (:func:`a3po.devices.set_autocast`); one in an asked dtype computes in that."""
+    with torch.device(model_device(policy)):
+        model = type(policy)(policy.config)
+    if dtype is None and autocasts(policy):
+        set_autocast(model, True)
+    return model.to(dtype=model_dtype(policy) if dtype is None else dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -74,7 +74,8 @@ def token_logprobs(
 
 
 def response_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, share_prompt: bool = False
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int,
+    share_prompt: bool = False
 ) -> torch.Tensor:
     """Logits ``(B, L - start, V)`` at positions ``start - 1 .. L - 2``: those predicting columns
     ``start .. L - 1``.
@@ -101,7 +102,8 @@ def response_logits(
             head = model(input_ids=input_ids[first, :start], attention_mask=attention_mask[first, :start],
                          position_ids=positions[first, :start], use_cache=True, **{cache_kw: cache}, **keep(1))
             cache.reorder_cache(inverse)  # (k, ...) -> (B, ...): an index_select, differentiable
-            tail = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=positions[:, start:],
+            tail = model(input_ids=input_ids[:, start:], attention_mask=attention_mask,
+                         position_ids=positions[:, start:],
                          use_cache=True, **{cache_kw: cache}, **keep(length - start))
             return torch.cat([head.logits[:, -1:][inverse], tail.logits[:, :-1]], dim=1)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
@@ -139,4 +141,5 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 def _cache_dropped(model: torch.nn.Module) -> bool:
     """Whether transformers' gradient checkpointing will drop the cache in this forward (its
     layers then run without the prompt's keys and values)."""
-    return model.training and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    return (model.training and torch.is_grad_enabled()
+            and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()))

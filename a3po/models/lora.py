@@ -52,7 +52,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     if is_lora(model):
         raise ValueError("the model already carries LoRA adapters")
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules), lora_dropout=cfg.dropout,
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules),
+                              lora_dropout=cfg.dropout,
                               bias="none", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -73,9 +74,11 @@ def with_lora(model: torch.nn.Module, cfg: LoraConfig | None) -> torch.nn.Module
     if not is_lora(model):
         return apply_lora(model, cfg)
     have = model.peft_config[ADAPTER]
-    if (have.r, have.lora_alpha, set(have.target_modules), have.lora_dropout) != (cfg.r, cfg.alpha, set(cfg.target_modules), cfg.dropout):
-        raise ValueError(f"the model's adapters (r {have.r}, alpha {have.lora_alpha}, {sorted(have.target_modules)}, dropout "
-                         f"{have.lora_dropout}) are not those model.lora asks for ({cfg})")
+    if (have.r, have.lora_alpha, set(have.target_modules), have.lora_dropout) != (cfg.r, cfg.alpha,
+                                                                                  set(cfg.target_modules), cfg.dropout):
+        raise ValueError(f"the model's adapters (r {have.r}, alpha {have.lora_alpha}, "
+                         f"{sorted(have.target_modules)}, dropout {have.lora_dropout}) are not those "
+                         f"model.lora asks for ({cfg})")
     return model
 
 
@@ -164,18 +167,17 @@ def keep_base_whole(policy: torch.nn.Module) -> None:
     before DeepSpeed ZeRO-3 partitions the module (after that its parameters read empty outside a
     gather, a collective every rank would have to enter at each merge)."""
     adapted, rest = _frozen_base(policy)
-    policy.__dict__[_WHOLE_BASE] = ({n: (w.clone(), s) for n, (w, s) in adapted.items()}, {k: v.detach().clone() for k, v in rest.items()})
+    policy.__dict__[_WHOLE_BASE] = ({n: (w.clone(), s) for n, (w, s) in adapted.items()},
+                                    {k: v.detach().clone() for k, v in rest.items()})
 
 
 def merged_model(policy: torch.nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """A plain model of the policy's class (no peft layers) holding the policy's weights with the
     adapters ``adapters`` (default: its current ones) merged, on its device and in its dtype, in
     eval mode: what the run exports, loadable wherever the base model is."""
-    from a3po.devices import model_device, model_dtype
+    from a3po.models.factory import empty_like
 
     state = MergedWeights(policy)(adapters if adapters is not None else trained_state(policy))
-    with torch.device(model_device(policy)):
-        plain = type(policy)(policy.config)
-    plain.to(dtype=model_dtype(policy))
+    plain = empty_like(policy)
     plain.load_state_dict(state)
     return plain.eval()

@@ -71,7 +71,8 @@ class IntraScoring:
     the engine), :meth:`finish` it (the tensors the trainer reuses); the trainer side
     :meth:`publish_critic` after each step."""
 
-    def __init__(self, ppo: ScoringModels, oppo: OppoConfig, pad_token_id: int, retention: Retention | None = None) -> None:
+    def __init__(self, ppo: ScoringModels, oppo: OppoConfig, pad_token_id: int,
+                 retention: Retention | None = None) -> None:
         models: dict[str, tuple[torch.nn.Module, object]] = {}
         if ppo.reference is not None:
             models["ref_logp"] = (ppo.reference, LogProbHead(ppo.temperature))
@@ -94,7 +95,8 @@ class IntraScoring:
         self.threads = start_scorers(models)
         self._feeder: ChunkFeeder | None = None
         self._critic_version: int | None = None
-        self.worker_states: list[dict | None] | None = None  # a rollout-worker checkpoint's tuner states, one per worker
+        # a rollout-worker checkpoint's tuner states, one per worker
+        self.worker_states: list[dict | None] | None = None
 
     # --- trainer side ---------------------------------------------------------------------
 
@@ -155,7 +157,8 @@ class IntraScoring:
         :attr:`worker_states` for the workers (their hello), whose scorers run the tuners."""
         if "workers" in state:
             self.worker_states = state["workers"]
-            if len(self.worker_states) == 1 and self.worker_states[0] is not None:  # one worker: resumable in one process too
+            # one worker: resumable in one process too
+            if len(self.worker_states) == 1 and self.worker_states[0] is not None:
                 self.tuner.load_state_dict(self.worker_states[0]["chunk_tuner"])
             return
         self.worker_states = [state]

@@ -16,8 +16,8 @@ would anchor the trust region at stale weights, so the config refuses it with ``
 
 ``Delta`` adapts to the reward trend (:class:`DeltaController`): while the least-squares slope
 of the mean reward over the last ``window`` steps is positive, over-commit more
-(``Delta <- min(Delta_max, Delta + d_inc)``), otherwise back off
-(``Delta <- max(Delta_min, Delta - d_dec)``).
+(``Delta <- min(Delta_max, Delta + delta_grow)``), otherwise back off
+(``Delta <- max(Delta_min, Delta - delta_shrink)``).
 
 With OPPO's intra-step overlap too (``oppo.intra``), the scorer threads prefill the same block
 the engine re-prefills (prompt + partial answer: a carried answer is rescored from its start in
@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from a3po.producer.producer import RolloutProducer, ScoredBatch, batch_seed
-from a3po.rollout.torch_engine import RolloutBatch
+from a3po.rollout.types import RolloutBatch
 
 
 def reward_slope(values: list[float]) -> float:
@@ -67,8 +67,8 @@ class DeltaController:
     delta: int
     delta_min: int
     delta_max: int
-    d_inc: int
-    d_dec: int
+    delta_grow: int
+    delta_shrink: int
     window: int
     rewards: list[float] = field(default_factory=list)
 
@@ -78,9 +78,9 @@ class DeltaController:
         self.rewards = (self.rewards + [float(mean_reward)])[-self.window:]
         if len(self.rewards) >= 2:
             if reward_slope(self.rewards) > 0:
-                self.delta = min(self.delta_max, self.delta + self.d_inc)
+                self.delta = min(self.delta_max, self.delta + self.delta_grow)
             else:
-                self.delta = max(self.delta_min, self.delta - self.d_dec)
+                self.delta = max(self.delta_min, self.delta - self.delta_shrink)
         return self.delta
 
     def state_dict(self) -> dict:
@@ -133,7 +133,8 @@ class CarryBuffer:
     def complete(self) -> list[int]:
         return [g for g, samples in self.groups.items() if all(s.done for s in samples)]
 
-    def extend(self, sample: Sample, tokens: list[int], logp: list[float], versions: list[int], finished: bool, step: int) -> None:
+    def extend(self, sample: Sample, tokens: list[int], logp: list[float], versions: list[int], finished: bool,
+               step: int) -> None:
         sample.tokens += tokens
         sample.logp += logp
         sample.versions += versions
@@ -185,7 +186,8 @@ def pack_streamed(groups: list[list[Sample]], batch: RolloutBatch) -> dict[str, 
         t = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for i, s in enumerate(samples):
             if len(s.scored[name]) != len(s.tokens):
-                raise RuntimeError(f"group {s.group}: {len(s.scored[name])} streamed {name} for {len(s.tokens)} answer tokens")
+                raise RuntimeError(f"group {s.group}: {len(s.scored[name])} streamed {name} for "
+                                   f"{len(s.tokens)} answer tokens")
             t[i, p:p + len(s.tokens)] = torch.tensor(s.scored[name], dtype=torch.float32)
         out[name] = t
     return {k: v.to(batch.input_ids.device) for k, v in out.items()}
@@ -224,8 +226,9 @@ def per_worker_states(state: dict | None, workers: int) -> list[dict | None]:
         return [None] * workers
     states = state["workers"] if "workers" in state else [state]
     if len(states) != workers:
-        raise ValueError(f"the checkpoint's OPPO carry-over belongs to {len(states)} rollout producer(s) (distributed.rollout_workers "
-                         f"{len(states) if 'workers' in state else 0}), this launch has {workers}: each owns the groups it admitted; "
+        raise ValueError(f"the checkpoint's OPPO carry-over belongs to {len(states)} rollout producer(s) "
+                         f"(distributed.rollout_workers {len(states) if 'workers' in state else 0}), this launch has "
+                         f"{workers}: each owns the groups it admitted; "
                          "resume with the same number of rollout workers")
     return states
 
@@ -241,7 +244,7 @@ class OverlapProducer(RolloutProducer):
     def __init__(self, *args, batch_groups: int, group_size: int, delta: DeltaController, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = "rollout-producer-oppo"
-        self.b, self.group_size, self.delta = batch_groups, group_size, delta
+        self.batch_groups, self.group_size, self.delta = batch_groups, group_size, delta
         self.buffer = CarryBuffer(self.params.max_new_tokens)
         # A fresh run: group k of worker k (0 in one process); a resumed one: see load_state_dict.
         k = self.next_index % self.stride
@@ -258,38 +261,41 @@ class OverlapProducer(RolloutProducer):
 
         def stop(done: torch.Tensor) -> bool:
             running = torch.zeros(len(groups), dtype=torch.long).index_add_(0, local, (~done.cpu()).long())
-            return already + int((running == 0).sum()) >= self.b
+            return already + int((running == 0).sum()) >= self.batch_groups
 
         return stop
 
     def produce(self, j: int) -> ScoredBatch:
         """Batch ``j``: top up to ``B + Delta`` groups, decode until ``B`` are complete, take them."""
         t0 = time.perf_counter()
-        while len(self.buffer.groups) < self.b + self.delta.delta:
+        while len(self.buffer.groups) < self.batch_groups + self.delta.delta:
             prompts, meta = self._group(self.next_group)
             self.buffer.admit(self.next_group, prompts, meta, j)
             self.next_group += self.stride
         rows = self.buffer.active()
         stream_metrics: dict[str, float] = {}
-        if rows and len(self.buffer.complete()) < self.b:
+        if rows and len(self.buffer.complete()) < self.batch_groups:
             budget = torch.tensor([self.params.max_new_tokens - len(s.tokens) for s in rows])
             resumed = [s.prompt + s.tokens for s in rows]
             # Intra: the scorers prefill prompt + partial answer, as the engine does (see a3po.oppo.intra).
             scored_on = self.engine.version  # the critic version the scorers read
-            stream = {"on_token": self.stream.begin(resumed, scored_on)} if self.stream is not None else {}
+            on_token = self.stream.begin(resumed, scored_on) if self.stream is not None else None
             rollout = self.engine.generate_until(
-                resumed, self.params, batch_seed(self.seed, j), row_budget=budget, stop_early=self._stop_when_b_complete(rows),
-                between_steps=self._between_steps(j) if self.mid_batch_updates else None, **stream,
+                resumed, self.params, batch_seed(self.seed, j), row_budget=budget,
+                stop_early=self._stop_when_b_complete(rows),
+                between_steps=self._between_steps(j) if self.mid_batch_updates else None, on_token=on_token,
             )
             streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
-            if self.check is not None:  # e.g. the engine's log-prob error, on the tokens decoded here (earlier ones were checked when decoded)
+            # e.g. the engine's log-prob error, on the tokens decoded here (earlier ones were checked when decoded)
+            if self.check is not None:
                 stream_metrics.update({k: v for k, v in self.check(rollout).items() if not isinstance(v, torch.Tensor)})
             p = rollout.prompt_len
             n_new = 0
             for i, s in enumerate(rows):
                 m = rollout.response_mask[i, p:].cpu()
                 n_new += int(m.sum())
-                self.buffer.extend(s, rollout.input_ids[i, p:].cpu()[m].tolist(), rollout.behav_logp[i, p:].cpu()[m].tolist(),
+                self.buffer.extend(s, rollout.input_ids[i, p:].cpu()[m].tolist(),
+                                   rollout.behav_logp[i, p:].cpu()[m].tolist(),
                                    rollout.versions[i, p:].cpu()[m].tolist(), bool(rollout.finished[i]), j)
                 if self.stream is not None and s.done:  # the whole answer sits left of column p + new tokens
                     end = p + int(m.sum())
@@ -299,7 +305,7 @@ class OverlapProducer(RolloutProducer):
                         s.scored["score"] = float(streamed["scores"][i])
             if self.stream is not None:  # the chunk tuner's cost: producing time per generated token
                 self.stream.record(time.perf_counter() - t0, n_new, n_new / len(rows))
-        taken = self.buffer.take(self.b)
+        taken = self.buffer.take(self.batch_groups)
         batch = pack_rollout(taken, self.engine.pad_token_id, self.engine.device)
         streamed_batch = pack_streamed(taken, batch) if self.stream is not None else {}
         carried = self.buffer.active() + [s for g in self.buffer.groups.values() for s in g if s.done]
@@ -317,7 +323,7 @@ class OverlapProducer(RolloutProducer):
 
     def _produce_next(self, j: int) -> ScoredBatch:
         # The bound counts trained samples, as without OPPO; batches before j count whoever made them (workers).
-        self.admission.admit_batch(j, self.b * self.group_size)
+        self.admission.admit_batch(j, self.batch_groups * self.group_size)
         self._load_start(j)
         return self.produce(j)
 

@@ -46,7 +46,8 @@ class Head(Protocol):
     figures ``(B, T)`` (float32) and the carry for the next chunk. ``finish`` turns the figures of
     the whole sequence ``(B, L)`` into the result, given the attention mask ``(B, L)``."""
 
-    def read(self, model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, carry: Any) -> tuple[torch.Tensor, Any]: ...
+    def read(self, model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
+             carry: Any) -> tuple[torch.Tensor, Any]: ...
 
     def finish(self, per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
@@ -122,7 +123,8 @@ class IncrementalScorer:
         self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], 1)
         positions = position_ids_from_mask(self.mask)[:, -ids.shape[1]:]
         with autocast_for(self.model):
-            out = self.base(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True, **{self._kw: self.cache})
+            out = self.base(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                            **{self._kw: self.cache})
         part, self.carry = self.head.read(self.model, out.last_hidden_state, ids, self.carry)
         self.ids.append(ids)
         self.parts.append(part.float())
@@ -144,19 +146,6 @@ class IncrementalScorer:
     def result(self) -> torch.Tensor:
         """The head's result over the whole sequence so far (``(B, L)`` or ``(B,)``)."""
         return self.head.finish(torch.cat(self.parts, 1), self.mask)
-
-
-@torch.no_grad()
-def one_shot_score(model: torch.nn.Module, head: Head, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The same head over one full forward: what streaming must equal."""
-    scorer = IncrementalScorer(model, head)
-    scorer.cache = None  # no cache: one forward of the whole sequence
-    scorer.mask = attention_mask.long()
-    positions = position_ids_from_mask(scorer.mask)
-    with autocast_for(model):
-        out = scorer.base(input_ids=input_ids, attention_mask=scorer.mask, position_ids=positions, use_cache=False)
-    part, _ = head.read(model, out.last_hidden_state, input_ids, None)
-    return head.finish(part.float(), scorer.mask)
 
 
 _END = object()

@@ -99,7 +99,8 @@ class Ranks:
         parts = _all_gather_in_world(padded)
         if not self.is_main:
             return None
-        return [torch.load(io.BytesIO(bytes(p[:n].numpy())), map_location="cpu", weights_only=True) for p, n in zip(parts, sizes, strict=True)]
+        return [torch.load(io.BytesIO(bytes(p[:n].numpy())), map_location="cpu", weights_only=True)
+                for p, n in zip(parts, sizes, strict=True)]
 
     def from_main(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (JSON values) on every trainer rank (rollout workers take no part)."""
@@ -137,7 +138,8 @@ def ranks_from_env(environ: Mapping[str, str] = os.environ, rollout_workers: int
     if rollout_workers and world <= rollout_workers:
         raise ValueError(
             f"distributed.rollout_workers is {rollout_workers} but the launch has {world} process(es) (WORLD_SIZE): "
-            f"launch {rollout_workers + 1}, e.g. torchrun --nproc_per_node {rollout_workers + 1} (trainer ranks first, then the workers)"
+            f"launch {rollout_workers + 1}, e.g. torchrun --nproc_per_node {rollout_workers + 1} (trainer ranks "
+            "first, then the workers)"
         )
     return Ranks(rank, world - rollout_workers, local, rollout_workers)
 
@@ -152,9 +154,10 @@ def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     if deepspeed_config is None and ranks.world_size > 1:
         if rollout_workers:
             raise RuntimeError(
-                f"launched as {ranks.launch_size} processes with distributed.rollout_workers {rollout_workers}: that leaves "
-                f"{ranks.world_size} trainer ranks, but distributed.deepspeed_config is null: set it (e.g. "
-                f"infra/deepspeed_zero2.json) for data-parallel trainer ranks, or launch {rollout_workers + 1} processes"
+                f"launched as {ranks.launch_size} processes with distributed.rollout_workers "
+                f"{rollout_workers}: that leaves {ranks.world_size} trainer ranks, but "
+                "distributed.deepspeed_config is null: set it (e.g. infra/deepspeed_zero2.json) for data-parallel "
+                f"trainer ranks, or launch {rollout_workers + 1} processes"
             )
         raise RuntimeError(
             f"launched as {ranks.world_size} ranks (WORLD_SIZE) but distributed.deepspeed_config is null: "
@@ -167,7 +170,8 @@ def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     if "MASTER_ADDR" not in os.environ and ranks.world_size == 1:
         # DeepSpeed without a launcher (one rank, e.g. `a3po train --config ds.yaml`): a private
         # loopback rendezvous, so init does not go looking for MPI.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     _init_deepspeed_comm()
     return ranks
 
@@ -211,7 +215,8 @@ class Link:
 
     def __init__(self, store: Any, name: str, members: list[int], launch_rank: int) -> None:
         self.rank, self.size = members.index(launch_rank), len(members)
-        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(f"a3po/{name}/", store), self.rank, self.size, _TIMEOUT)
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(f"a3po/{name}/", store), self.rank,
+                                                     self.size, _TIMEOUT)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         opts = torch.distributed.BroadcastOptions()
@@ -240,7 +245,8 @@ class LaunchLinks:
     launch: Link  # every process: Ranks.share
     weights: Link | None  # rank 0 + workers: every version, broadcast from rank 0
     samples: Link | None  # rank 0 + workers: each worker's batches, sent to rank 0
-    batches: Any  # ranks 0..T-1, a gloo group of the trainers' world: rank 0 broadcasts each batch (None with one trainer)
+    # ranks 0..T-1, a gloo group of the trainers' world: rank 0 broadcasts each batch (None with one trainer)
+    batches: Any
 
 
 _launch: tuple[Ranks, LaunchLinks] | None = None
@@ -268,7 +274,8 @@ def _join_launch(ranks: Ranks, deepspeed: bool) -> Ranks:
     store, _, _ = next(dist.rendezvous("env://"))  # the launcher's store (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
     batches = None
     if deepspeed and not ranks.is_rollout_worker:
-        dist.init_process_group(_accelerator_backend(), store=dist.PrefixStore("a3po/trainers/", store), rank=ranks.rank,
+        dist.init_process_group(_accelerator_backend(), store=dist.PrefixStore("a3po/trainers/", store),
+                                rank=ranks.rank,
                                 world_size=ranks.world_size, timeout=_TIMEOUT)
         _init_deepspeed_comm()  # adopts the trainers' world
         batches = dist.new_group(list(range(ranks.world_size)), backend="gloo") if ranks.world_size > 1 else None

@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
+from a3po.algorithms.checks import require_finite_update
 from a3po.config.preflight import read_deepspeed_json, zero_stage
+from a3po.models.factory import empty_like
 from a3po.models.lora import MergedWeights, is_lora, keep_base_whole
 from a3po.parallel.ranks import Ranks
 from a3po.storage.checkpoint import CheckpointError
@@ -44,9 +46,10 @@ class Updater(Protocol):
 class LocalUpdater:
     """One process: torch AdamW and ``clip_grad_norm_`` (the trainer's original calls, in order)."""
 
-    def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> None:
+    def __init__(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                 what: str = "policy") -> None:
         self.model, self.optimizer, self.grad_clip = policy, optimizer, grad_clip
-        self.partitioned = False
+        self.partitioned, self.what = False, what  # what: the model a non-finite update is reported for
 
     def full_weights(self) -> AbstractContextManager:
         return nullcontext()
@@ -59,6 +62,7 @@ class LocalUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        require_finite_update(loss, grad_norm, self.what)  # before the step: the weights stay the last good ones
         self.optimizer.step()
         return float(grad_norm)
 
@@ -91,9 +95,13 @@ class DeepSpeedUpdater:
     the weight store and checkpoints read of a LoRA policy)."""
 
     def __init__(
-        self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int, grad_clip: float, ranks: Ranks
+        self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict[str, Any], minibatch_rows: int,
+        grad_clip: float, ranks: Ranks,
+        what: str = "policy",
     ) -> None:
         import deepspeed
+
+        self.what = what
 
         if minibatch_rows % ranks.world_size:
             raise ValueError(
@@ -113,7 +121,8 @@ class DeepSpeedUpdater:
         if self.stage == 3 and self.lora:  # the merges into the base read it whole: copy it before ZeRO-3 partitions it
             keep_base_whole(policy)
         # The world is the trainer ranks' alone, rollout workers or not (a3po.parallel.ranks.init_ranks).
-        self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config,
+                                                    dist_init_required=False)
         self.model = self.engine
         self.partitioned = self.stage == 3
 
@@ -138,7 +147,10 @@ class DeepSpeedUpdater:
         # gradients over ranks, so scale by the world size to reduce to the sum (= the mean's gradient).
         self.engine.backward(loss * self.ranks.world_size)
         self.engine.step()
-        return float(self.engine.get_global_grad_norm())
+        grad_norm = float(self.engine.get_global_grad_norm())
+        # After the step (DeepSpeed clips and steps in one call): the run stops before a checkpoint holds it.
+        require_finite_update(loss, grad_norm, self.what)
+        return grad_norm
 
     def optimizer_state(self) -> dict[str, Any]:
         """Every rank's AdamW state and fp32 master weights (its ZeRO partition: the AdamW's own
@@ -150,7 +162,8 @@ class DeepSpeedUpdater:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "ranks" not in state:
-            raise CheckpointError("the checkpoint's optimizer state was written by a single-process run; resume it without DeepSpeed")
+            raise CheckpointError("the checkpoint's optimizer state was written by a single-process run; "
+                                  "resume it without DeepSpeed")
         if (state["world_size"], state["zero_stage"]) != (self.ranks.world_size, self.stage):
             raise CheckpointError(
                 f"the checkpoint's optimizer is partitioned for {state['world_size']} ranks at ZeRO stage "
@@ -158,7 +171,8 @@ class DeepSpeedUpdater:
             )
         mine = state["ranks"][self.ranks.rank]
         master = self._master()
-        if len(master) != len(mine["master"]) or any(p.shape != s.shape for p, s in zip(master, mine["master"], strict=True)):
+        if len(master) != len(mine["master"]) or any(p.shape != s.shape
+                                                     for p, s in zip(master, mine["master"], strict=True)):
             raise CheckpointError(
                 f"rank {self.ranks.rank}'s optimizer partition in the checkpoint has shapes "
                 f"{[tuple(s.shape) for s in mine['master']]}, this run's {[tuple(p.shape) for p in master]}"
@@ -193,28 +207,28 @@ class DeepSpeedUpdater:
         # torch's state_dict cannot index it: the hyperparameters and per-flat state, in flat order.
         return {
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups],
-            "state": [{k: v.detach().clone() for k, v in self._optimizer.state.get(p, {}).items()} for p in self._master()],
+            "state": [{k: v.detach().clone() for k, v in self._optimizer.state.get(p, {}).items()}
+                      for p in self._master()],
         }
 
 
-def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor], into: torch.nn.Module | None = None) -> torch.nn.Module:
+def plain_model(policy: torch.nn.Module, state: dict[str, torch.Tensor],
+                into: torch.nn.Module | None = None) -> torch.nn.Module:
     """A module of the policy's class holding ``state``, outside DeepSpeed (reused when ``into``
     is given): what rank 0 evaluates and exports while the policy itself is partitioned. With
     LoRA ``state`` is a version's adapters (:func:`a3po.models.lora.trained_state`), merged into the base."""
-    from a3po.devices import model_device, model_dtype
-
     if is_lora(policy):
         state = MergedWeights(policy)(state)
     if into is None:
-        with torch.device(model_device(policy)):
-            into = type(policy)(policy.config)
-        into.to(dtype=model_dtype(policy))
+        into = empty_like(policy)
     into.load_state_dict(state)
     return into.eval()
 
 
-def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None, ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:
-    """The trainer's AdamW (:func:`a3po.algorithms.optimizers.adamw`; the rate is set per step) behind the right updater."""
+def make_updater(policy: torch.nn.Module, rl, deepspeed_config: str | None,
+                 ranks: Ranks) -> LocalUpdater | DeepSpeedUpdater:
+    """The trainer's AdamW (:func:`a3po.algorithms.optimizers.adamw`; the rate is set per step)
+    behind the right updater."""
     from a3po.algorithms.optimizers import adamw
 
     optimizer = adamw([p for p in policy.parameters() if p.requires_grad], rl.lr)  # with LoRA: the adapters alone
@@ -233,7 +247,7 @@ def make_critic_updater(critic: torch.nn.Module, optimizer: torch.optim.Optimize
     minibatch, its optimizer state partitioned like the policy's. Build it after the critic's
     checkpointed weights are loaded (ZeRO-3 partitions the module's current weights)."""
     if deepspeed_config is None:
-        return LocalUpdater(critic, optimizer, rl.grad_clip)
+        return LocalUpdater(critic, optimizer, rl.grad_clip, what="critic")
     ds = read_deepspeed_json(deepspeed_config, rl.grad_clip)
     rows = rl.batch_prompts * rl.group_size // rl.minibatches
-    return DeepSpeedUpdater(critic, optimizer, ds, rows, rl.grad_clip, ranks)
+    return DeepSpeedUpdater(critic, optimizer, ds, rows, rl.grad_clip, ranks, what="critic")

@@ -18,6 +18,9 @@ may share the machine:
   their cores idle, as a synchronous trainer leaves its rollout GPUs idle while it updates.
   ``rollout_cores: 0`` pins nothing: every process may use every core (``torch_threads`` each).
 
+The thread budgets that follow (``update_threads``, ``generate_threads``) are resolved once per run,
+with the run's other derived facts, by :class:`a3po.config.plan.RunPlan`; this module pins the cores.
+
 Thread counts can change bits: the update's forward, backward and AdamW gave the same bits on 1 or
 2 threads (tiny preset, measured), but decoding need not (the generic decoder's CPU attention
 splits its key sum by thread count; MKL picks its GEMM split by thread count and shape). A run is
@@ -29,7 +32,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from a3po.config import TrainConfig, effective_max_staleness
+from a3po.config import TrainConfig
 from a3po.parallel.ranks import Ranks
 
 
@@ -45,29 +48,6 @@ def usable_cores() -> int:
     return len(usable_core_ids())
 
 
-def producer_and_trainer_alternate(cfg: TrainConfig) -> bool:
-    """Whether the trainer thread and the in-process producer thread never compute at once. Not
-    so under DeepSpeed ranks or rollout workers: other processes share the machine."""
-    return (effective_max_staleness(cfg.rl) == 0 and not cfg.distributed.rollout_workers
-            and cfg.distributed.deepspeed_config is None and not cfg.oppo.inter)
-
-
-def update_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the trainer thread during a training update (``cfg.update_threads``,
-    0 = every core, where the producer idles meanwhile; ``torch_threads`` elsewhere)."""
-    if not producer_and_trainer_alternate(cfg):
-        return cfg.torch_threads
-    return cfg.update_threads or max(cfg.torch_threads, usable_cores())
-
-
-def generate_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the in-process producer thread (``cfg.generate_threads``, 0 = every
-    core, where the trainer idles meanwhile; ``torch_threads`` elsewhere)."""
-    if not producer_and_trainer_alternate(cfg):
-        return cfg.torch_threads
-    return cfg.generate_threads or max(cfg.torch_threads, usable_cores())
-
-
 def core_slices(cores: Sequence[int], is_worker: Sequence[bool], rollout_cores: int) -> list[tuple[int, ...]]:
     """The cores each process of a node owns, in local-rank order: rollout workers take
     ``rollout_cores`` each from the top of ``cores`` (the first worker the highest), the trainer
@@ -77,9 +57,10 @@ def core_slices(cores: Sequence[int], is_worker: Sequence[bool], rollout_cores: 
     n_trainers = len(is_worker) - n_workers
     left = len(cores) - n_workers * rollout_cores
     if left < 0 or (n_trainers and left < n_trainers):
-        raise ValueError(f"distributed.rollout_cores {rollout_cores}: {n_workers} rollout worker(s) x {rollout_cores} core(s) and "
-                         f"{n_trainers} trainer rank(s) need {n_workers * rollout_cores + n_trainers} cores, but this node's "
-                         f"processes may use {len(cores)}; lower rollout_cores or launch fewer processes here")
+        raise ValueError(f"distributed.rollout_cores {rollout_cores}: {n_workers} rollout worker(s) x "
+                         f"{rollout_cores} core(s) and {n_trainers} trainer rank(s) need "
+                         f"{n_workers * rollout_cores + n_trainers} cores, but this node's processes may use "
+                         f"{len(cores)}; lower rollout_cores or launch fewer processes here")
     per_trainer = left // n_trainers if n_trainers else 0
     slices: list[tuple[int, ...]] = []
     worker_k = trainer_k = 0

@@ -9,17 +9,15 @@ from typing import Callable
 
 import torch
 
-from a3po.algorithms.proximal import PROXIMAL_METHODS
-from a3po.config import TrainConfig, effective_max_staleness, mid_batch_updates, proximal_method_name
+from a3po.config import RunPlan, TrainConfig, mid_batch_updates
 from a3po.data.datasets import prompt_style
 from a3po.models.lora import MergedWeights, is_lora
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
-from a3po.placement.cores import generate_threads
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
 from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.engines import build_engine
 from a3po.rollout.logprob_mismatch import BehaviourCheck
-from a3po.rollout.torch_engine import SamplingParams
+from a3po.rollout.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -27,32 +25,37 @@ class RolloutInputs:
     """What generating and scoring need, whichever process does it."""
 
     cfg: TrainConfig
+    plan: RunPlan  # the run's derived facts, resolved in this process (its thread budgets are its own)
     policy: torch.nn.Module
     tokenizer: object
     train_rows: list[dict]
     score: Callable[[list[str], list[dict]], list[float]]  # (completions, meta) -> rewards
-    intra: StreamHook | None = None  # a3po.oppo.intra.IntraScoring with oppo.intra (the trainer's, or a rollout worker's own)
+    # a3po.oppo.intra.IntraScoring with oppo.intra (the trainer's, or a rollout worker's own)
+    intra: StreamHook | None = None
 
 
 def local_producer(
-    inp: RolloutInputs, store: WeightStore, start: int, stride: int = 1, end: int | None = None, check: Callable | None = None
+    inp: RolloutInputs, store: WeightStore, start: int, stride: int = 1, end: int | None = None,
+    check: Callable | None = None
 ) -> RolloutProducer:
     """A producer thread (with OPPO's carry-over when ``oppo.inter``) sampling from the engine
     ``rollout.engine`` names, which starts on the store's newest weights; the same construction
     in a trainer process and in a rollout worker. ``check(rollout)``: extra per-batch figures."""
     rl, tok = inp.cfg.rl, inp.tokenizer
-    s = effective_max_staleness(rl)
+    s = inp.plan.max_staleness
     # With LoRA the store holds adapters: the engine's plain copy of the policy loads them merged.
     merge = MergedWeights(inp.policy) if is_lora(inp.policy) else None
     state = store.get(store.latest)
-    engine = build_engine(inp.policy, tok, state if merge is None else merge(state), store.latest, inp.cfg)
+    engine = build_engine(inp.policy, tok, state if merge is None else merge(state), store.latest, inp.cfg,
+                          inp.plan.engine_dtype)
     if merge is not None:
         engine = MergingEngine(engine, merge)
     batch_size = rl.batch_prompts * rl.group_size
     # OPPO's inter-step overlap is the same producer with over-commitment and carry-over.
     oppo = inp.cfg.oppo
     overlap = dict(batch_groups=rl.batch_prompts, group_size=rl.group_size, delta=DeltaController(
-        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.d_inc, oppo.d_dec, oppo.window)) if oppo.inter else {}
+        oppo.delta_init, oppo.delta_min, oppo.delta_max, oppo.delta_grow, oppo.delta_shrink, oppo.window),
+    ) if oppo.inter else {}
     return (OverlapProducer if oppo.inter else RolloutProducer)(
         engine,
         store,
@@ -71,21 +74,22 @@ def local_producer(
         check=check,
         **overlap,
         stream=inp.intra,
-        threads=generate_threads(inp.cfg),
+        threads=inp.plan.generate_threads,
     )
 
 
-def behaviour_check(inp: RolloutInputs, store: WeightStore, keep_logp: bool = False) -> BehaviourCheck | None:
+def behaviour_check(inp: RolloutInputs, store: WeightStore) -> BehaviourCheck | None:
     """The per-batch re-scoring with a trainer-precision torch copy of the policy
-    (:class:`~a3po.rollout.logprob_mismatch.BehaviourCheck`), when the run asks for it:
-    ``proximal: metrics`` reports the engine's log-prob error against it (``rollout/behav_logp_*``);
-    ``keep_logp``, the rollout correction's numerator. None when neither. The same in a trainer
-    process and in a rollout worker, whose figures travel to the trainer with the batch."""
-    rl = inp.cfg.rl
-    if not (PROXIMAL_METHODS.get(proximal_method_name(rl)).checks_behaviour or keep_logp):
+    (:class:`~a3po.rollout.logprob_mismatch.BehaviourCheck`), when the plan asks for it
+    (:attr:`~a3po.config.plan.RunPlan.rescore`): ``proximal: metrics`` reports the engine's log-prob
+    error against it (``rollout/behav_logp_*``); an asynchronous rollout correction keeps its
+    log-probs, the correction's numerator (``trainer_logp: producer``). None when neither. The same
+    in a trainer process and in a rollout worker, whose figures travel to the trainer with the batch."""
+    rl, plan = inp.cfg.rl, inp.plan
+    if not plan.rescore:
         return None
-    return BehaviourCheck(inp.policy, engine_weights(inp.policy, store), rl.temperature, keep_logp=keep_logp,
-                          share_prompt=rl.shared_prompt_forward)
+    return BehaviourCheck(inp.policy, engine_weights(inp.policy, store), rl.temperature,
+                          keep_logp=plan.trainer_logp == "producer", share_prompt=rl.shared_prompt_forward)
 
 
 def engine_weights(policy: torch.nn.Module, store: WeightStore) -> Callable[[int], dict[str, torch.Tensor]]:
@@ -112,7 +116,7 @@ class MergingEngine:
         return getattr(self._engine, name)
 
 
-def weight_retention(cfg: TrainConfig, end: int | None = None) -> Retention:
+def weight_retention(plan: RunPlan, end: int | None = None) -> Retention:
     """How long the run's weight stores keep a version (:class:`~a3po.producer.weight_store.Retention`):
-    while a batch before ``end`` (default ``rl.steps``) not yet trained can read it."""
-    return Retention(effective_max_staleness(cfg.rl), cfg.rl.schedule, cfg.rl.steps if end is None else end)
+    while a batch before ``end`` (default: the run's last) not yet trained can read it."""
+    return Retention(plan.max_staleness, plan.schedule, plan.steps if end is None else end)

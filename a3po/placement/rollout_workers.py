@@ -85,7 +85,7 @@ from a3po.parallel.ranks import Link, Ranks, launch_links
 from a3po.placement.in_process import RolloutInputs, behaviour_check, local_producer, weight_retention
 from a3po.producer.producer import ProducerFailed, ScoredBatch
 from a3po.producer.weight_store import Retention, WeightStore
-from a3po.rollout.torch_engine import RolloutBatch
+from a3po.rollout.types import RolloutBatch
 
 TRAINER = 0  # global rank of the trainer, and its rank in the weights and samples links (worker k's is 1 + k)
 STOP = -1  # weight header: the run is over; batch header index: an error text follows
@@ -97,7 +97,8 @@ def rollout_links() -> tuple[Link, Link]:
     """(weights link, samples link) over trainer rank 0 and the workers, made by
     :func:`a3po.parallel.ranks.init_ranks`."""
     links = launch_links()
-    assert links.weights is not None and links.samples is not None, "only trainer rank 0 and the workers talk over these"
+    assert links.weights is not None and links.samples is not None, (
+        "only trainer rank 0 and the workers talk over these")
     return links.weights, links.samples
 
 
@@ -134,7 +135,8 @@ def _push_version(version: int, states: list[dict[str, torch.Tensor]], link: Lin
         link.broadcast(pack_state(state), TRAINER)
 
 
-def _receive_version(layouts: list[Layout], device: torch.device, link: Link) -> tuple[int, list[dict[str, torch.Tensor]]]:
+def _receive_version(layouts: list[Layout], device: torch.device,
+                     link: Link) -> tuple[int, list[dict[str, torch.Tensor]]]:
     """What :func:`_push_version` sent (one state per layout); ``(STOP, [])`` at the end of the run."""
     header = torch.empty(1, dtype=torch.int64)
     link.broadcast(header, TRAINER)
@@ -192,12 +194,15 @@ def _take_batch(take: Callable[[torch.Tensor], Any], device: torch.device) -> Sc
         return bytes(recv((nbytes,), torch.uint8).cpu().numpy()).decode()
     grid = (rows, cols)
     input_ids, attention_mask = recv(grid, torch.int64), recv(grid, torch.int64)
-    response_mask, behav_logp, versions = recv(grid, torch.uint8).bool(), recv(grid, torch.float32), recv(grid, torch.int64)
+    response_mask, behav_logp = recv(grid, torch.uint8).bool(), recv(grid, torch.float32)
+    versions = recv(grid, torch.int64)
     finished, rewards = recv((rows,), torch.uint8).bool(), recv((rows,), torch.float32)
     info = json.loads(bytes(recv((nbytes,), torch.uint8).cpu().numpy()))
     streamed = {name: recv(tuple(shape), getattr(torch, dtype)) for name, dtype, shape in info["streamed"]}
-    rollout = RolloutBatch(input_ids, attention_mask, response_mask, behav_logp, versions, finished, prompt_len, info["meta"])
-    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"], metrics=info["metrics"],
+    rollout = RolloutBatch(input_ids, attention_mask, response_mask, behav_logp, versions, finished, prompt_len,
+                           info["meta"])
+    return ScoredBatch(index, rollout, rewards, info["completions"], info["gen_time_s"], info["grader"],
+                       metrics=info["metrics"],
                        producer_state=info["producer_state"], stream_state=info["stream_state"], streamed=streamed)
 
 
@@ -247,13 +252,14 @@ class RemoteRollouts:
     on with every worker's newest OPPO states as of it (``{"workers": [...]}``, module docstring)."""
 
     def __init__(self, inp: RolloutInputs, store: WeightStore, start: int, ranks: Ranks) -> None:
-        self.store, self.start_index, self.end = store, start, inp.cfg.rl.steps
+        self.store, self.start_index, self.end = store, start, inp.plan.steps
         self.workers = list(range(ranks.world_size, ranks.launch_size))
         # The critic's versions (oppo.intra): published by the trainer beside the policy's, on the same retention.
         self.critic_store = inp.intra.critic_store if isinstance(inp.intra, IntraScoring) else None
         self.oppo = WorkerStates(len(self.workers))
-        if isinstance(inp.intra, IntraScoring) and inp.intra.worker_states is not None and len(inp.intra.worker_states) == len(self.workers):
-            self.oppo.tuners = list(inp.intra.worker_states)  # else the tuners start afresh: a schedule, not a ledger
+        saved = inp.intra.worker_states if isinstance(inp.intra, IntraScoring) else None
+        if saved is not None and len(saved) == len(self.workers):
+            self.oppo.tuners = list(saved)  # else the tuners start afresh: a schedule, not a ledger
         self.device = model_device(inp.policy)
         self.weights_link, self.samples_link = rollout_links()
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
@@ -284,7 +290,8 @@ class RemoteRollouts:
             layout = state_layout(self.store.get(versions[-1]))
             critic_layout = state_layout(self.critic_store.get(versions[-1])) if self.critic_store is not None else None
             self.weights_link.share({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions,
-                                     "critic_layout": critic_layout, "oppo_state": self.oppo.carry, "intra_state": self.oppo.tuners})
+                                     "critic_layout": critic_layout, "oppo_state": self.oppo.carry,
+                                     "intra_state": self.oppo.tuners})
             for v in versions:
                 _push_version(v, self._states(v), self.weights_link)
             last = versions[-1]
@@ -303,8 +310,10 @@ class RemoteRollouts:
             self.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64), TRAINER)
         except BaseException as e:
             if not self._halt.is_set():
-                self.out.put(ProducerFailed(f"sending weights to the rollout workers (ranks {self.workers}) failed: {e!r}; "
-                                            "a worker has probably died; rerun the command to resume from the newest checkpoint"))
+                self.out.put(ProducerFailed("sending weights to the rollout workers (ranks "
+                                            f"{self.workers}) failed: {e!r}; "
+                                            "a worker has probably died; rerun the command to resume "
+                                            "from the newest checkpoint"))
 
     def _receive(self) -> None:
         for j in range(self.start_index, self.end):
@@ -315,7 +324,8 @@ class RemoteRollouts:
             except BaseException as e:
                 if not self._halt.is_set():
                     self.out.put(ProducerFailed(f"rollout worker rank {src} is gone (waiting for batch {j}: {e!r}); "
-                                                "the run stops; rerun the command to resume from the newest checkpoint"))
+                                                "the run stops; rerun the command to resume "
+                                                "from the newest checkpoint"))
                 return
             if isinstance(got, str):
                 self.out.put(ProducerFailed(f"rollout worker rank {src} failed:\n{got}"))
@@ -326,7 +336,8 @@ class RemoteRollouts:
         try:
             item = self.out.get(timeout=timeout)
         except queue.Empty:
-            raise ProducerFailed(f"no batch from the rollout workers (ranks {self.workers}) in {timeout:.0f} s") from None
+            raise ProducerFailed("no batch from the rollout workers (ranks "
+                                 f"{self.workers}) in {timeout:.0f} s") from None
         if isinstance(item, ProducerFailed):
             raise item
         return item
@@ -420,7 +431,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
         raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer's weights do not fit this worker's model "
                            f"(trainer {diff[0]} vs worker {diff[1]}); both must load the same model")
     device = model_device(inp.policy)
-    store = WeightStore(weight_retention(inp.cfg, end=hello["end"]))
+    store = WeightStore(weight_retention(inp.plan, end=hello["end"]))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
     scoring = intra(store.retention) if intra is not None else None
     if scoring is not None:
@@ -429,8 +440,9 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
             scoring.load_state_dict(hello["intra_state"][k])
     critic_store = scoring.critic_store if scoring is not None else None
     if (hello["critic_layout"] is None) != (critic_store is None):
-        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer {'sends no' if critic_store is not None else 'sends'} critic "
-                           f"weights for oppo.intra and this worker {'scores with' if critic_store is not None else 'has no'} a critic")
+        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer "
+                           f"{'sends no' if critic_store is not None else 'sends'} critic weights for oppo.intra and "
+                           f"this worker {'scores with' if critic_store is not None else 'has no'} a critic")
     layouts = [layout] + ([hello["critic_layout"]] if critic_store is not None else [])
 
     def publish(version: int, states: list[dict[str, torch.Tensor]]) -> None:
@@ -457,7 +469,8 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
                     return
                 publish(version, states)
         except BaseException as e:
-            producer.out.put(ProducerFailed(f"rollout worker rank {ranks.rank} lost the trainer (rank {TRAINER}) waiting for weights: {e!r}"))
+            producer.out.put(ProducerFailed(f"rollout worker rank {ranks.rank} lost the trainer (rank {TRAINER}) "
+                                            f"waiting for weights: {e!r}"))
             store.close()
 
     receiver = threading.Thread(target=receive_weights, name="weight-receive", daemon=True)

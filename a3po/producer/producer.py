@@ -1,5 +1,5 @@
-"""Asynchronous rollout/training controller: a producer thread generates rollouts while the
-trainer consumes them, with a bound on how stale a sample may be.
+"""The asynchronous rollout producer: a thread generates rollouts while the trainer consumes
+them, with a bound on how stale a sample may be.
 
 * :class:`~a3po.producer.weight_store.WeightStore` holds versioned policy weights. The trainer
   publishes version ``v+1`` after each update; the producer loads new versions, also between
@@ -38,8 +38,7 @@ import torch
 from a3po.data.prompts import PromptStyle
 from a3po.grading.rewards import grader_counts
 from a3po.producer.weight_store import Stopped, WeightStore
-from a3po.rollout.engines import Engine
-from a3po.rollout.torch_engine import RolloutBatch, SamplingParams
+from a3po.rollout.types import Engine, RolloutBatch, SamplingParams
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -60,6 +59,15 @@ class Admission:
     def capacity(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_size
 
+    def lower(self, bound: int) -> None:
+        """Lower the bound for every admission from now on (the guard's ``tighten``). Samples already
+        admitted stay; a waiting :meth:`admit` re-reads the bound, under the store's lock, at its next
+        check. Only lowering: a raised bound would need waiters woken, and no caller raises it."""
+        with self.store.cond:
+            if not 0 <= bound <= self.max_staleness:
+                raise ValueError(f"the staleness bound can only be lowered, from {self.max_staleness}, got {bound}")
+            self.max_staleness = bound
+
     def admit(self, n: int) -> None:
         """Block until ``n`` more samples fit under the bound for the current version."""
         self.store.wait_until(lambda: self.admitted + n <= self.capacity(self.store.latest))
@@ -68,6 +76,9 @@ class Admission:
     def admit_batch(self, index: int, n: int) -> None:
         """Batch ``index`` of ``n`` samples (batches all have ``n``): every batch before it counts
         as admitted, whoever generated it (rollout workers each take every k-th batch)."""
+        # the bound counts batches of batch_size: another size would let the producer run ahead
+        if n != self.batch_size:
+            raise ValueError(f"batch {index} has {n} samples but admission counts batches of {self.batch_size}")
         self.admitted = index * n
         self.admit(n)
 
@@ -76,18 +87,24 @@ class PromptSampler:
     """Batch ``j`` is a function of (seed, j) alone, so a resumed run draws the same prompts.
     Prompts are formatted by ``style`` (chat template, instruction) before tokenising."""
 
-    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int, style: PromptStyle = DEFAULT_STYLE) -> None:
+    def __init__(self, rows: list[dict], tokenizer, batch_prompts: int, group_size: int, seed: int,
+                 style: PromptStyle = DEFAULT_STYLE) -> None:
+        if batch_prompts > len(rows):  # a batch cut to the rows would be smaller than the size admission counts
+            raise ValueError(f"{len(rows)} training rows, fewer than the {batch_prompts} distinct prompts of a "
+                             "batch (rl.batch_prompts)")
         self.rows, self.batch_prompts, self.group_size, self.seed = rows, batch_prompts, group_size, seed
-        self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in rows]
+        self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+                     for r in rows]
 
     def batch(self, j: int) -> tuple[list[list[int]], list[dict]]:
         rng = random.Random(f"{self.seed}:prompts:{j}")
-        picks = rng.sample(range(len(self.rows)), min(self.batch_prompts, len(self.rows)))
+        picks = rng.sample(range(len(self.rows)), self.batch_prompts)
         prompts, meta = [], []
         for g, i in enumerate(picks):
             for _ in range(self.group_size):
                 prompts.append(self._ids[i])
-                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"], "group": j * self.batch_prompts + g})
+                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"],
+                             "group": j * self.batch_prompts + g})
         return prompts, meta
 
 
@@ -116,9 +133,11 @@ class ScoredBatch:
     gen_time_s: float
     grader: dict[str, int] = field(default_factory=dict)  # the grader's counters for this batch (grader/*)
     metrics: dict[str, float] = field(default_factory=dict)  # the producer's own per-batch figures (perf/*, the hook's)
-    producer_state: dict | None = None  # JSON state of the producer after this batch (e.g. a carry-over buffer), for checkpoints
+    # JSON state of the producer after this batch (e.g. a carry-over buffer), for checkpoints
+    producer_state: dict | None = None
     stream_state: dict | None = None  # JSON state of the stream hook after this batch, for checkpoints
-    streamed: dict[str, torch.Tensor] = field(default_factory=dict)  # what the stream hook scored while decoding (e.g. ref_logp, values, scores)
+    # what the stream hook scored while decoding (e.g. ref_logp, values, scores)
+    streamed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ProducerFailed(RuntimeError):
@@ -158,11 +177,12 @@ class RolloutProducer(threading.Thread):
         self.mid_batch_updates, self.check = mid_batch_updates, check
         self.engine, self.store, self.admission, self.sampler = engine, store, admission, sampler
         self.params, self.score, self.decode = params, score, decode
-        self.s, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
+        self.max_staleness, self.schedule, self.seed, self.next_index = max_staleness, schedule, seed, start
         self.stride, self.end = stride, end
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
-        # Decode on ``threads`` (default: the builder's count), whatever the trainer thread sets later (a3po.placement.cores).
+        # Decode on ``threads`` (default: the builder's count), whatever the trainer thread sets later
+        # (a3po.placement.cores).
         self.threads = threads or torch.get_num_threads()
         self._hold_key = f"producer-{id(self)}"
         self._hold(engine.version)
@@ -178,16 +198,16 @@ class RolloutProducer(threading.Thread):
 
     def _load_start(self, j: int) -> None:
         """The version batch ``j`` starts on."""
-        self._load(max(0, j - self.s) if self.schedule == "deterministic" else self.store.latest)
+        self._load(max(0, j - self.max_staleness) if self.schedule == "deterministic" else self.store.latest)
         self._hold(self.engine.version)
 
     def _between_steps(self, j: int) -> Callable[[int], int | None]:
         if self.schedule == "deterministic":
-            switch_to, switch_at = j - self.s + 1, self.params.max_new_tokens // 2
+            switch_to, switch_at = j - self.max_staleness + 1, self.params.max_new_tokens // 2
 
             def hook(t: int) -> int | None:
                 # The trainer's concurrent step (on batch j - s) lands halfway through batch j.
-                if self.s >= 1 and switch_to >= 1 and t == switch_at:
+                if self.max_staleness >= 1 and switch_to >= 1 and t == switch_at:
                     self._load(switch_to)
                     return switch_to
                 return None
@@ -208,17 +228,20 @@ class RolloutProducer(threading.Thread):
         self._load_start(j)
         t0 = time.perf_counter()
         hook = self._between_steps(j) if self.mid_batch_updates else None
-        stream = {"on_token": self.stream.begin(prompts, self.engine.version)} if self.stream is not None else {}
-        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook, meta=meta, **stream)
+        on_token = self.stream.begin(prompts, self.engine.version) if self.stream is not None else None
+        rollout = self.engine.generate_batch(prompts, self.params, batch_seed(self.seed, j), between_steps=hook,
+                                             meta=meta, on_token=on_token)
         streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
         scored = self._score(j, rollout, t0, streamed, stream_metrics, record_stream=True)
         if self.check is not None:  # e.g. the engine's log-prob mismatch (rollout/*); not part of the producing time
-            for name, value in self.check(rollout).items():  # figures to metrics, per-token tensors beside the streamed ones
+            # figures to metrics, per-token tensors beside the streamed ones
+            for name, value in self.check(rollout).items():
                 (scored.streamed if isinstance(value, torch.Tensor) else scored.metrics)[name] = value
         return scored
 
     def _score(
-        self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float], record_stream: bool = False
+        self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float],
+        record_stream: bool = False
     ) -> ScoredBatch:
         """The shared tail: decode, grade, and pack batch ``j``; its ``gen_time_s`` runs from ``t0``
         (generation began) to graded, and ``perf/score_s`` is the grading part of it. With
@@ -230,9 +253,11 @@ class RolloutProducer(threading.Thread):
             n_gen = int(rollout.response_mask.sum())
             self.stream.record(t1 - t0, n_gen, n_gen / len(rollout))
         with grader_counts() as grader:
-            rewards = torch.tensor(self.score(completions, rollout.meta), dtype=torch.float32, device=rollout.input_ids.device)
+            rewards = torch.tensor(self.score(completions, rollout.meta), dtype=torch.float32,
+                                   device=rollout.input_ids.device)
         t2 = time.perf_counter()
-        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader, metrics={"perf/score_s": t2 - t1, **metrics}, streamed=streamed,
+        return ScoredBatch(j, rollout, rewards, completions, t2 - t0, grader,
+                           metrics={"perf/score_s": t2 - t1, **metrics}, streamed=streamed,
                            stream_state=self.stream.state_dict() if self.stream is not None else None)
 
     def run(self) -> None:
@@ -246,6 +271,16 @@ class RolloutProducer(threading.Thread):
             pass
         except BaseException as e:  # surfaced in the trainer thread, with the traceback
             self.out.put(ProducerFailed(f"rollout producer failed: {e!r}\n{traceback.format_exc()}"))
+
+    def lower_bound(self, bound: int) -> None:
+        """Admit the batches not yet admitted under staleness bound ``bound`` (<= the current one).
+        The threaded schedule only: the deterministic one derives each batch's versions (and the
+        store the versions it keeps) from the bound it was built with."""
+        if self.schedule != "threaded":
+            raise RuntimeError("the staleness bound can change mid-run under rl.schedule 'threaded' only")
+        if bound < self.admission.max_staleness:
+            self.admission.lower(bound)
+            self.max_staleness = bound
 
     def stop(self) -> None:
         self._halt.set()

@@ -20,7 +20,7 @@ from a3po.models.lora import trained_state
 
 
 class Stopped(Exception):
-    """The controller was shut down while a thread was waiting."""
+    """The weight store was closed (the run is stopping) while a thread was waiting on it."""
 
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ class Retention:
     def __init__(self, max_staleness: int, schedule: str = "deterministic", end: int | None = None) -> None:
         if schedule not in ("deterministic", "threaded"):
             raise ValueError(f"schedule must be 'deterministic' or 'threaded', got {schedule!r}")
-        self.s, self.schedule, self.end = max_staleness, schedule, end
+        self.max_staleness, self.schedule, self.end = max_staleness, schedule, end
         self._holds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -68,8 +68,8 @@ class Retention:
             return True
         if self.schedule == "threaded":
             return False
-        upper = None if self.end is None else max(0, self.end - self.s)
-        return max(0, latest - self.s) <= version and (upper is None or version <= upper)
+        upper = None if self.end is None else max(0, self.end - self.max_staleness)
+        return max(0, latest - self.max_staleness) <= version and (upper is None or version <= upper)
 
     def keeps(self, version: int, latest: int) -> bool:
         with self._lock:

@@ -1,2 +1,2 @@
-"""Generation: the torch rollout engine, the engine protocol and registry, the vLLM engine and
-the engine-vs-trainer log-prob check."""
+"""Generation behind one interface: the types engines and their callers share (``types``), the
+engine registry, the torch and vLLM engines and the engine-vs-trainer log-prob check."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from a3po.models.factory import empty_like
 from a3po.models.logprobs import token_logprobs
-from a3po.rollout.torch_engine import RolloutBatch
+from a3po.rollout.types import RolloutBatch
 
 
 def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -28,19 +29,17 @@ def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, ma
 class BehaviourCheck:
     """Re-scores a rollout with a torch copy of the policy at each token's recorded version.
 
-    ``weights(version)`` returns that version's state dict (the controller's WeightStore.get).
-    Runs in the producer thread, one extra forward per version present in the batch.
+    ``weights(version)`` returns that version's state dict (the producer's
+    :meth:`~a3po.producer.weight_store.WeightStore.get`). Runs in the producer thread, one extra
+    forward per version present in the batch.
 
     ``keep_logp``: also return the trainer's log-probs ``(N, L)`` themselves, as
     ``trainer_behav_logp`` (the rollout correction's numerator, ``a3po.algorithms.rollout_correction``),
     from the trainer's own forward (response columns only, ``share_prompt`` as the trainer runs it)."""
 
-    def __init__(self, policy: torch.nn.Module, weights, temperature: float, keep_logp: bool = False, share_prompt: bool = False) -> None:
-        from a3po.devices import model_device, model_dtype
-
-        with torch.device(model_device(policy)):
-            self.model = type(policy)(policy.config)
-        self.model.to(dtype=model_dtype(policy)).eval()
+    def __init__(self, policy: torch.nn.Module, weights, temperature: float, keep_logp: bool = False,
+                 share_prompt: bool = False) -> None:
+        self.model = empty_like(policy).eval()
         self.weights, self.temperature = weights, temperature
         self.keep_logp, self.share_prompt = keep_logp, share_prompt
 
@@ -53,7 +52,8 @@ class BehaviourCheck:
             logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature, **forward)
             here = batch.response_mask & (batch.versions == v)
             trainer_logp = torch.where(here, logp, trainer_logp)
-        figures: dict[str, float | torch.Tensor] = dict(behaviour_mismatch(batch.behav_logp, trainer_logp, batch.response_mask))
+        figures: dict[str, float | torch.Tensor] = dict(behaviour_mismatch(batch.behav_logp, trainer_logp,
+                                                                           batch.response_mask))
         if self.keep_logp:
             figures["trainer_behav_logp"] = trainer_logp
         return figures

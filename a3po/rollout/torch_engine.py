@@ -19,8 +19,7 @@ live there as well (see :mod:`a3po.devices`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -28,50 +27,7 @@ from a3po.devices import model_device, sampling_generator
 from a3po.models.decoders import decoder_for, forget_fused
 from a3po.models.logprobs import position_ids_from_mask, sampling_log_softmax
 from a3po.rollout.padding import left_pad
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class RolloutBatch:
-    """Prompt + response per row, padded into one ``(N, L)`` block ready for training.
-
-    ``response_mask`` marks generated tokens (the EOS included); ``behav_logp`` and
-    ``versions`` are defined there (0 and -1 elsewhere)."""
-
-    input_ids: torch.Tensor  # (N, L) left-padded prompt, then response, right-padded
-    attention_mask: torch.Tensor  # (N, L)
-    response_mask: torch.Tensor  # (N, L) bool
-    behav_logp: torch.Tensor  # (N, L) float32
-    versions: torch.Tensor  # (N, L) int64, -1 outside the response
-    finished: torch.Tensor  # (N,) bool: stopped on EOS (False = cut at max_new_tokens)
-    prompt_len: int  # padded prompt width P; responses start at column P
-    meta: list[dict] = field(default_factory=list)  # per-row data carried along (id, gold, group, ...)
-
-    @property
-    def responses(self) -> list[list[int]]:
-        """Generated token ids per row, EOS included."""
-        return [row[m].tolist() for row, m in zip(self.input_ids, self.response_mask, strict=True)]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-
-BetweenSteps = Callable[[int], "int | None"]
-OnToken = Callable[[int, torch.Tensor, torch.Tensor], None]
+from a3po.rollout.types import BetweenSteps, OnToken, RolloutBatch, SamplingParams, StopEarly
 
 
 class RolloutEngine:
@@ -90,7 +46,7 @@ class RolloutEngine:
         decoder_for(model, decoder)  # an unknown or unsupported decoder fails here, not at the first batch
         forget_fused(model)  # the model may have changed since another engine decoded it
 
-    # --- the rollout-engine interface (a3po.rollout.engines): what the controller calls -----------------
+    # --- the rollout-engine interface (a3po.rollout.types.Engine): what the producer calls ----------------
     mid_batch_updates = True  # between_steps may swap weights between decode steps
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -107,8 +63,7 @@ class RolloutEngine:
         meta: list[dict] | None = None,
         on_token: OnToken | None = None,
     ) -> RolloutBatch:
-        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device
-        (``on_token``: OPPO's streamed scoring, this engine only)."""
+        """:meth:`generate` with a sampling generator seeded by ``seed`` on the model's device."""
         gen = sampling_generator(model_device(self.model), seed)
         return self.generate(prompts, params, generator=gen, between_steps=between_steps, meta=meta, on_token=on_token)
 
@@ -118,7 +73,7 @@ class RolloutEngine:
         params: SamplingParams,
         seed: int,
         row_budget: torch.Tensor,
-        stop_early: Callable[[torch.Tensor], bool],
+        stop_early: StopEarly,
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
     ) -> RolloutBatch:
@@ -147,7 +102,7 @@ class RolloutEngine:
         meta: list[dict] | None = None,
         on_token: OnToken | None = None,
         row_budget: torch.Tensor | None = None,
-        stop_early: Callable[[torch.Tensor], bool] | None = None,
+        stop_early: StopEarly | None = None,
     ) -> RolloutBatch:
         """Sample up to ``params.max_new_tokens`` per row. Options of OPPO (all None: plain
         decoding): ``on_token(t, tokens, alive)`` sees each decode step's ``(n,)`` tokens and
@@ -210,7 +165,8 @@ class RolloutEngine:
                 tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
             new_tokens[:, t] = tok
-            new_logp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(new_logp[:, t]))
+            new_logp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1),
+                                         torch.zeros_like(new_logp[:, t]))
             new_version[:, t] = torch.where(alive, torch.full_like(tok, self.version), new_version[:, t])
             hit_eos = alive & (tok == self.eos_token_id)
             finished |= hit_eos

@@ -7,7 +7,7 @@ worker's with ``distributed.rollout_workers``), fed token ids.
   and ``logprobs_mode='processed_logprobs'`` takes it after temperature scaling, i.e. of the
   distribution actually sampled, as :func:`a3po.models.logprobs.sampling_log_softmax` does. vLLM
   computes it in its own kernels: it matches the trainer's forward to a tolerance, not bit for
-  bit (measured by tests/test_vllm_engine.py and reported by ``proximal: metrics``).
+  bit (measured by tests/rollout/test_vllm_engine.py and reported by ``proximal: metrics``).
 * Weight updates between batches only: the new state is written as one safetensors file and
   reloaded in place through ``collective_rpc('reload_weights')``; the prefix cache (KV blocks of
   the old weights) is off, so no token is computed from a mix of versions. Every token of a
@@ -26,11 +26,11 @@ import itertools
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from a3po.rollout.torch_engine import BetweenSteps, OnToken, RolloutBatch, SamplingParams
+from a3po.rollout.types import BetweenSteps, OnToken, RolloutBatch, SamplingParams, StopEarly
 from a3po.rollout.vllm_support import ENGINE_OWNER_ENV, check_head_dim, check_vllm_features
 
 
@@ -38,7 +38,8 @@ def _sampled(completion, row: int) -> tuple[list[int], list[float]]:
     """A vLLM completion's token ids and, per token, the sampled token's log-prob."""
     ids = list(completion.token_ids)
     if len(completion.logprobs or []) != len(ids):
-        raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-probs for {len(ids)} tokens (row {row})")
+        raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-probs for "
+                           f"{len(ids)} tokens (row {row})")
     return ids, [lp[t].logprob for t, lp in zip(ids, completion.logprobs, strict=True)]
 
 
@@ -160,7 +161,8 @@ class VllmEngine:
         meta: list[dict] | None = None,
         on_token: OnToken | None = None,
     ) -> RolloutBatch:
-        if on_token is not None:  # streamed scoring needs every decode step: the request-level loop (it checks the prompts)
+        # streamed scoring needs every decode step: the request-level loop (it checks the prompts)
+        if on_token is not None:
             budget = torch.full((len(prompts),), params.max_new_tokens)
             return self.generate_until(prompts, params, seed, budget, lambda done: False, between_steps, on_token, meta)
         self._check_prompts(prompts, between_steps)
@@ -180,12 +182,12 @@ class VllmEngine:
         params: SamplingParams,
         seed: int,
         row_budget: torch.Tensor,
-        stop_early: Callable[[torch.Tensor], bool],
+        stop_early: StopEarly,
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
         meta: list[dict] | None = None,
     ) -> RolloutBatch:
-        """The request-level loop OPPO needs (:meth:`a3po.rollout.engines.Engine.generate_until`):
+        """The request-level loop OPPO needs (:meth:`a3po.rollout.types.Engine.generate_until`):
         one request per row (``max_tokens`` its budget, seeded ``seed + row`` as in
         :meth:`generate_batch`) on vLLM's engine, stepped here, each step's new tokens appended.
         Decode column ``t`` is settled once every row has sampled its token there or ended before
@@ -221,7 +223,8 @@ class VllmEngine:
                 # steps ran ahead of this loop (a matter of timing) changes nothing.
                 alive = lengths > column
                 if on_token is not None:
-                    tok = torch.tensor([t[column] if a else self.pad_token_id for t, a in zip(tokens, alive.tolist(), strict=True)])
+                    tok = torch.tensor([t[column] if a else self.pad_token_id
+                                        for t, a in zip(tokens, alive.tolist(), strict=True)])
                     on_token(column, tok.to(self.device), alive.to(self.device))
                 column += 1
                 ended = done & (lengths <= column)  # rows done by this column
@@ -283,7 +286,8 @@ class VllmEngine:
             versions[i, width : width + k] = self.version
             finished[i] = k > 0 and t[-1] == self.eos_token_id
         d = self.device
-        return RolloutBatch(ids.to(d), attn.to(d), resp.to(d), behav.to(d), versions.to(d), finished.to(d), prompt_len=width,
+        return RolloutBatch(ids.to(d), attn.to(d), resp.to(d), behav.to(d), versions.to(d), finished.to(d),
+                            prompt_len=width,
                             meta=list(meta) if meta is not None else [{} for _ in range(n)])
 
     def close(self) -> None:

@@ -36,7 +36,8 @@ def check_vllm_features(vllm) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     problems = []
-    if "logprobs" not in inspect.signature(vllm.SamplingParams).parameters and not hasattr(vllm.SamplingParams, "logprobs"):
+    params = inspect.signature(vllm.SamplingParams).parameters
+    if "logprobs" not in params and not hasattr(vllm.SamplingParams, "logprobs"):
         problems.append("SamplingParams(logprobs=...) for the sampled tokens' log-probs")
     if "logprobs_mode" not in {f for f in getattr(EngineArgs, "__dataclass_fields__", {})}:
         problems.append("logprobs_mode='processed_logprobs' (log-probs after temperature scaling)")
@@ -60,7 +61,8 @@ def check_head_dim(model_config, on_cuda: bool) -> None:
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
         raise VllmUnsupported(f"vLLM's CPU attention does not support head size {head_dim} "
-                              f"(hidden {model_config.hidden_size} / {model_config.num_attention_heads} heads); supported: {supported}")
+                              f"(hidden {model_config.hidden_size} / {model_config.num_attention_heads} "
+                              f"heads); supported: {supported}")
 
 
 # The pid of the process that builds a VllmEngine, for the processes vLLM starts from it.

@@ -1,13 +1,96 @@
 """Files that are either wholly written or not at all: write to a temporary name in the same
 folder, fsync, ``os.replace`` (atomic on POSIX), fsync the folder. Folders likewise
-(:func:`replace_dir`): written under a temporary name beside their final one, then renamed."""
+(:func:`replace_dir`): written under a temporary name beside their final one, then renamed.
+
+Temporary names carry the writer's pid (``.<name>.tmp-<pid>-<random>``): a writer killed before
+it could clean up (SIGKILL, power loss) leaves one behind, and the next write of the same name
+removes those whose process is gone (:func:`sweep_stale`). A SIGTERM during a folder's build
+removes the folder before the signal acts (:func:`removed_on_sigterm`)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+_TMP = ".tmp-"
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}{_TMP}{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_stale(parent: Path, name: str) -> list[Path]:
+    """Remove the temporary files and folders of ``name`` in ``parent`` left by writers that are
+    no longer running (their pid is in the name); returns what was removed. A pid reused by
+    another process keeps its leftover until that process ends too (never a live writer's)."""
+    pattern = re.compile(re.escape(f".{name}{_TMP}") + r"(\d+)-")
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = pattern.match(p.name)
+        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def temp_dir_beside(out_dir: Path) -> Path:
+    """A new empty folder beside ``out_dir`` to build it in (then :func:`replace_dir`), named with
+    this process's pid, after sweeping the leftovers of dead builds of ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(out_dir.parent, out_dir.name)
+    return Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_tmp_prefix(out_dir.name)))
+
+
+@contextmanager
+def removed_on_sigterm(path: Path) -> Iterator[None]:
+    """Inside the block a SIGTERM first removes ``path`` (a folder being built), then acts as it
+    would have (the previous handler, or the default: the process ends). Only the main thread
+    can set a handler; elsewhere the block runs as it is (the pid sweep still covers it)."""
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if previous is None or previous == signal.SIG_IGN:  # not the main thread, a handler set outside Python, or ignored
+        yield
+        return
+
+    def on_term(signum, frame) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)  # the disposition it had (default: terminate)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def fsync_dir(path: Path) -> None:
@@ -23,7 +106,8 @@ def atomic_write_bytes(path: Path, write) -> None:
     crash leaves the old file (or none), never a partial one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    sweep_stale(path.parent, path.name)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_tmp_prefix(path.name), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -56,3 +140,18 @@ def replace_dir(tmp: Path, out_dir: Path) -> Path:
         os.replace(tmp, out_dir)
     fsync_dir(out_dir.parent)
     return out_dir
+
+
+def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write a Hugging Face model folder (anything with ``save_pretrained``: a model, a
+    tokenizer) beside ``out_dir`` and rename it into place (:func:`replace_dir`)."""
+    out_dir = Path(out_dir)
+    tmp = temp_dir_beside(out_dir)  # pid-named: a killed writer's leftover is swept by the next write
+    try:
+        with removed_on_sigterm(tmp):
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        return replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

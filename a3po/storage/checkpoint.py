@@ -42,7 +42,13 @@ from typing import Any, Callable
 
 import torch
 
-from a3po.storage.atomic import atomic_write_bytes, atomic_write_text, fsync_dir, replace_dir  # noqa: F401  (re-exported)
+from a3po.storage.atomic import (  # noqa: F401  (re-exported)
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    replace_dir,
+)
+from a3po.storage.content import sha256_file
 
 FORMAT = "a3po-checkpoint/2"
 MANIFEST = "manifest.json"
@@ -50,7 +56,6 @@ STATE_JSON = "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OLD_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")  # single-file pickles of a3po < format 2
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")  # no path separators, no "..", not hidden
-_CHUNK = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +67,6 @@ class CheckpointError(Exception):
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoints exist but none is intact: resuming is impossible and starting over would
     overwrite them, so the run stops."""
-
-
-# --- hashes ---------------------------------------------------------------------------------
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- writing: the pieces --------------------------------------------------------------------
@@ -174,7 +168,8 @@ def commit_step(ckpt_dir: str | Path, step: int, files: dict[str, str], keep: in
     fsync_dir(pending)
     # A damaged folder of this step (skipped at resume) is replaced; the rename fsyncs ckpt_dir.
     final = replace_dir(pending, ckpt_dir / step_dir_name(step))
-    atomic_write_text(ckpt_dir / "latest", json.dumps({"step": step, "dir": final.name, "note": "a hint; resume scans the step folders"}))
+    atomic_write_text(ckpt_dir / "latest",
+                      json.dumps({"step": step, "dir": final.name, "note": "a hint; resume scans the step folders"}))
     if keep is not None:
         _prune(ckpt_dir, step, keep)
     return final
@@ -286,7 +281,8 @@ def load_tensor_bytes(data: bytes, where: str | Path) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError (bad zip), ...
-        raise CheckpointError(f"{where}: not a tensor file that loads without running code: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{where}: not a tensor file that loads without running "
+                              f"code: {type(e).__name__}: {e}") from None
 
 
 def verify_checkpoint(path: str | Path) -> Manifest:
@@ -336,7 +332,8 @@ def checkpoint_candidates(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda sp: (sp[0], sp[1].is_dir()), reverse=True)
 
 
-def _newest_usable(ckpt_dir: str | Path, use: Callable[[Path], Any], on_skip: Callable[[str], None] | None) -> tuple[Path, Any] | None:
+def _newest_usable(ckpt_dir: str | Path, use: Callable[[Path], Any],
+                   on_skip: Callable[[str], None] | None) -> tuple[Path, Any] | None:
     """``(path, use(path))`` for the newest candidate ``use`` accepts (it raises
     :class:`CheckpointError` on the others, which are reported), None when there is none."""
     skipped: list[str] = []
@@ -371,7 +368,8 @@ def latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | Non
     return found[0] if found else None
 
 
-def load_latest_checkpoint(ckpt_dir: str | Path, on_skip: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+def load_latest_checkpoint(ckpt_dir: str | Path,
+                           on_skip: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """``(path, state)`` of the newest checkpoint that verifies *and* loads (a file whose hash
     matches a tampered manifest but holds more than tensors is refused here and skipped), with
     the reporting of :func:`latest_checkpoint`. Reads each file once."""

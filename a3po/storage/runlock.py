@@ -63,12 +63,8 @@ def read_holder(folder: str | Path) -> dict | None:
 def describe(record: dict | None) -> str:
     if not record:
         return "an unknown process (no record in the lock file)"
-    return f"pid {record.get('pid')} on {record.get('host')}, started {record.get('started')}, command: {record.get('command')}"
-
-
-def held_here(folder: str | Path) -> bool:
-    """This process holds the folder's lock."""
-    return Path(folder).resolve() in _held
+    return (f"pid {record.get('pid')} on {record.get('host')}, started {record.get('started')}, "
+            f"command: {record.get('command')}")
 
 
 def in_use_by_another(folder: str | Path) -> bool:
@@ -110,7 +106,8 @@ def acquire(folder: str | Path, log: Callable[[str], None] = print) -> Path:
             ) from None
         previous = read_holder(folder)
         if previous:
-            log(f"run folder {folder}: taking over from {describe(previous)}, which ended without releasing it (killed or crashed)")
+            log(f"run folder {folder}: taking over from {describe(previous)}, which ended without "
+                "releasing it (killed or crashed)")
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(_record()) + "\n").encode(), 0)
         os.fsync(fd)

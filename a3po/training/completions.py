@@ -45,7 +45,8 @@ import torch
 from a3po.storage.atomic import atomic_write_bytes
 
 # The reader's order: what was asked and written, how it scored, how stale it was; ids last.
-COLUMNS = ("step", "source", "prompt", "completion", "gold", "reward", "group_mean_reward", "staleness_min", "staleness_max",
+COLUMNS = ("step", "source", "prompt", "completion", "gold", "reward", "group_mean_reward", "staleness_min",
+           "staleness_max",
            "version_min", "version_max", "tokens", "finished", "id")
 MAX_CHARS = 2000  # per prompt and per completion: a table of 16 rows stays well under 100 kB
 _FILE = re.compile(r"^step_(\d+)\.jsonl$")
@@ -116,7 +117,8 @@ def train_rows(scored, trainer_version: int, k: int, prompts: dict[str, str], ma
     return out
 
 
-def heldout_rows(rows: list[dict], greedy: list[str], scores: list[float], version: int, k: int, max_chars: int) -> list[dict[str, Any]]:
+def heldout_rows(rows: list[dict], greedy: list[str], scores: list[float], version: int, k: int,
+                 max_chars: int) -> list[dict[str, Any]]:
     """The greedy answers of policy ``version`` to the first ``k`` held-out ``rows``."""
     return [{
         "source": "heldout",
@@ -133,7 +135,8 @@ def heldout_rows(rows: list[dict], greedy: list[str], scores: list[float], versi
 class CompletionTables:
     """Writes the loop's tables into ``folder`` (see the module's docstring)."""
 
-    def __init__(self, folder: str | Path, limit: int, train_data: list[dict], heldout_data: list[dict], max_chars: int = MAX_CHARS):
+    def __init__(self, folder: str | Path, limit: int, train_data: list[dict], heldout_data: list[dict],
+                 max_chars: int = MAX_CHARS):
         if limit < 1 or max_chars < 1:
             raise ValueError(f"a completion table needs limit >= 1 and max_chars >= 1, got {limit}, {max_chars}")
         self.folder, self.limit, self.max_chars = Path(folder), limit, max_chars
@@ -157,7 +160,8 @@ class CompletionTables:
         rows = train_rows(scored, step - 1, n_train, self.prompts, self.max_chars) if scored is not None else []
         if heldout is not None:
             rows += heldout_rows(self.heldout_data, *heldout, version=step, k=n_held, max_chars=self.max_chars)
-        body = "".join(json.dumps({c: ({"step": step} | row).get(c) for c in COLUMNS}, ensure_ascii=False) + "\n" for row in rows)
+        body = "".join(json.dumps({c: ({"step": step} | row).get(c) for c in COLUMNS}, ensure_ascii=False) + "\n"
+                       for row in rows)
         path = table_path(self.folder, step)
         atomic_write_bytes(path, lambda f: f.write(body.encode("utf-8")))
         return path

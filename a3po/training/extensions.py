@@ -45,7 +45,8 @@ class IntraCritic:
 
     def __init__(self, cfg: TrainConfig, ppo: PPOParts, pad_token_id: int, lag: int, retention: Retention) -> None:
         # The critic's versions are kept by the policy store's rule: while a batch not yet trained can read them.
-        # The scorers run their own forwards: under ZeRO-3 on a plain copy of the critic (a partitioned one's are collectives).
+        # The scorers run their own forwards: under ZeRO-3 on a plain copy of the critic (a partitioned one's are
+        # collectives).
         scoring_models = ppo if ppo.critic is None else replace(ppo, critic=ppo.plain_critic())
         self.scoring = IntraScoring(scoring_models, cfg.oppo, pad_token_id, retention)
         self.ppo, self.critic, self.lag = ppo, ppo.critic, lag
@@ -62,7 +63,8 @@ class IntraCritic:
         self.version = version
 
     def state(self) -> dict[str, Any]:
-        return {"intra_critic_history": self.scoring.critic_history(since=self.version - self.lag), "intra_state": self.tuner_state}
+        return {"intra_critic_history": self.scoring.critic_history(since=self.version - self.lag),
+                "intra_state": self.tuner_state}
 
     def load_state(self, state: dict[str, Any]) -> None:
         for v, w in sorted(state.get("intra_critic_history", {}).items()):

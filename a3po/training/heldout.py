@@ -15,7 +15,8 @@ import torch
 from a3po.data.datasets import prompt_style
 from a3po.data.prompts import PromptStyle
 from a3po.grading.rewards import score_completions
-from a3po.rollout.torch_engine import SamplingParams, generate_text
+from a3po.rollout.torch_engine import generate_text
+from a3po.rollout.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ def heldout_accuracy(
 ) -> float:
     """Mean grader score over ``rows`` x ``samples`` completions (greedy when temperature is 0),
     prompts formatted by ``style`` as in training."""
-    _, scores = heldout_completions(model, tokenizer, rows, task, max_new_tokens, temperature, samples, seed, batch_size, style)
+    _, scores = heldout_completions(model, tokenizer, rows, task, max_new_tokens, temperature, samples, seed,
+                                    batch_size, style)
     return sum(scores) / len(scores)
 
 
@@ -75,7 +77,8 @@ def heldout_evaluation(model, tokenizer, rows: list[dict], cfg) -> HeldOutEvalua
     The sampling seed is fixed, not the run's: every variant and checkpoint is scored on the same
     random numbers, which takes sampling noise out of the comparison."""
     rl, style = cfg.rl, prompt_style(cfg.data)
-    sampled = heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature, rl.eval_samples, seed=0, style=style)
+    sampled = heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature,
+                               rl.eval_samples, seed=0, style=style)
     greedy, scores = heldout_completions(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style)
     figures = {"eval/heldout_acc": sampled, "eval/heldout_greedy_acc": sum(scores) / len(scores)}
     return HeldOutEvaluation(figures, greedy, scores)

@@ -12,20 +12,23 @@ from typing import Callable
 import torch
 
 from a3po.algorithms.proximal import PROXIMAL_METHODS, ProximalMethod
-from a3po.config import TrainConfig, config_to_dict, effective_max_staleness, proximal_method_name
+from a3po.config import RunPlan, TrainConfig, config_to_dict
+from a3po.devices import model_device, native_bf16, set_autocast
 from a3po.grading.rewards import check_grader, score_completions
 from a3po.models.lora import load_trained_state, trained_state, with_lora
 from a3po.parallel.ranks import Ranks, init_ranks
 from a3po.parallel.updaters import Updater, make_updater, plain_model
-from a3po.placement.cores import update_threads
+from a3po.placement.cores import usable_cores
 from a3po.placement.in_process import RolloutInputs, weight_retention
-from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer, placement_name
-from a3po.producer.producer import ScoredBatch
+from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer
+from a3po.producer.producer import RolloutProducer, ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.storage.checkpoint import save_checkpoint
 from a3po.training.completions import CompletionTables
 from a3po.training.extensions import Extension, IntraCritic, ProducerCarryOver
+from a3po.training.guard import ApproximationGuard
 from a3po.training.heldout import heldout_evaluation
+from a3po.training.inputs import input_hashes
 from a3po.training.lr_schedule import learning_rate
 from a3po.training.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.training.ppo_parts import PPOParts, build_ppo_parts
@@ -34,13 +37,16 @@ from a3po.training.step import train_step
 from a3po.training.threads import intra_op_threads
 
 
-def checked_rollout_inputs(cfg: TrainConfig, policy: torch.nn.Module, tokenizer, train_rows: list[dict]) -> RolloutInputs:
+def checked_rollout_inputs(
+    cfg: TrainConfig, plan: RunPlan, policy: torch.nn.Module, tokenizer, train_rows: list[dict]
+) -> RolloutInputs:
     """What generating and scoring need, in a trainer or a rollout worker's process; a grader that
     cannot start fails the run now, not as zero rewards."""
     check_grader(cfg.data.task)
     return RolloutInputs(
-        cfg, policy, tokenizer, train_rows,
-        score=lambda comps, meta: score_completions(cfg.data.task, comps, [m["gold"] for m in meta], [m["id"] for m in meta]),
+        cfg, plan, policy, tokenizer, train_rows,
+        score=lambda comps, meta: score_completions(cfg.data.task, comps,
+                                                    [m["gold"] for m in meta], [m["id"] for m in meta]),
     )
 
 
@@ -53,14 +59,17 @@ def _latency_breakdown(generate_s: float, train_s: float, idle_s: float) -> dict
             "perf/trainer_busy_frac": train_s / period, "perf/generator_busy_frac": generate_s / period}
 
 
-def save_rank_checkpoint(ckpt_dir: str, run: RunState, policy: torch.nn.Module, updater: Updater, ranks: Ranks, keep: int) -> str | None:
+def save_rank_checkpoint(ckpt_dir: str, run: RunState, policy: torch.nn.Module, updater: Updater, ranks: Ranks,
+                         keep: int) -> str | None:
     """Every rank calls this (the optimizer state is a collective under DeepSpeed); rank 0 alone
-    writes the step's checkpoint folder (a3po.storage.checkpoint): the policy (ZeRO-1/2 keep full weights on every rank, ZeRO-3's
-    partitions are gathered), every rank's optimizer partition, and ``run``'s entries. Returns the file on
-    rank 0, None elsewhere."""
+    writes the step's checkpoint folder (a3po.storage.checkpoint): the policy (ZeRO-1/2 keep full
+    weights on every rank, ZeRO-3's partitions are gathered), every rank's optimizer partition, and
+    ``run``'s entries. Returns the file on rank 0, None elsewhere."""
     optimizer_state = updater.optimizer_state()
     with updater.full_weights():  # every rank enters: a gather under ZeRO-3
-        policy_state = (clone_state(policy) if updater.partitioned else trained_state(policy)) if ranks.is_main else None
+        policy_state = None
+        if ranks.is_main:
+            policy_state = clone_state(policy) if updater.partitioned else trained_state(policy)
     if not ranks.is_main:
         return None
     state = {"policy": policy_state, "optimizer": optimizer_state, **run.to_checkpoint()}
@@ -72,11 +81,13 @@ class HeldOut:
     figures. A ZeRO-3 policy is evaluated through a plain copy of its weights (its partitioned
     forward would wait for the other ranks' all-gathers)."""
 
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, tokenizer, rows: list[dict], updater: Updater, store: WeightStore, ranks: Ranks):
+    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, tokenizer, rows: list[dict], updater: Updater,
+                 store: WeightStore, ranks: Ranks):
         self.cfg, self.policy, self.tokenizer, self.rows = cfg, policy, tokenizer, rows
         self.updater, self.store, self.ranks = updater, store, ranks
         self._copy: torch.nn.Module | None = None
-        self.greedy: tuple[list[str], list[float]] | None = None  # the last evaluation's greedy answers and scores (rank 0)
+        # the last evaluation's greedy answers and scores (rank 0)
+        self.greedy: tuple[list[str], list[float]] | None = None
 
     def __call__(self) -> dict[str, float]:
         return self.ranks.from_main(self._evaluate() if self.ranks.is_main else None)
@@ -129,6 +140,8 @@ def rl_train(
     warmstart_acc: float | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
     completions_dir: str | None = None,
+    ranks: Ranks | None = None,
+    plan: RunPlan | None = None,
 ) -> TrainResult:
     """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
     (raises :class:`~a3po.storage.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
@@ -140,21 +153,34 @@ def rl_train(
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
     alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
     With ``distributed.rollout_workers`` this runs on the trainer's rank only; a worker's rank
-    serves batches instead (:func:`a3po.training.run.train_variant` dispatches)."""
+    serves batches instead (:func:`a3po.training.run.train_variant` dispatches).
+
+    ``ranks`` and ``plan``: this process's place in the launch and the run's plan, as the caller
+    resolved them (:func:`~a3po.training.run.train_variant`); a caller without them (a test, a
+    benchmark) gets them resolved here, once."""
     rl = cfg.rl
-    ranks = init_ranks(cfg.distributed.deepspeed_config, cfg.distributed.rollout_workers)
+    if ranks is None:
+        ranks = init_ranks(cfg.distributed.deepspeed_config, cfg.distributed.rollout_workers)
+    if plan is None:
+        device = model_device(policy)
+        plan = RunPlan.of(cfg, usable_cores(), native_bf16(device), device.type)
     if ranks.is_rollout_worker:
-        raise RuntimeError("rl_train runs on trainer ranks; a rollout worker's rank serves batches (a3po.placement.rollout_workers.serve_rollouts)")
+        raise RuntimeError("rl_train runs on trainer ranks; a rollout worker's rank serves batches "
+                           "(a3po.placement.rollout_workers.serve_rollouts)")
     logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
     progress = progress if ranks.is_main else None
+    # dtype auto where bf16 is native: forwards under bf16 autocast; weights and AdamW state stay fp32.
+    set_autocast(policy, plan.precision.autocast)
     policy = with_lora(policy, cfg.model.lora)  # model.lora: adapters injected in place; only they train
-    rollout_inputs = checked_rollout_inputs(cfg, policy, tokenizer, train_rows)
+    rollout_inputs = checked_rollout_inputs(cfg, plan, policy, tokenizer, train_rows)
     # The reference is the policy as it is now (the warm start), so build before a checkpoint loads.
     ppo = build_ppo_parts(cfg.ppo, policy, rl.temperature)
     skipped: list[str] = []
-    resumed = resume(ckpt_dir, cfg, on_skip=skipped.append)
-    updater, store = _restore(cfg, policy, ppo, resumed, ranks)
-    run = resumed or RunState(step=0, warmstart_acc=warmstart_acc, config=config_to_dict(cfg))
+    inputs = input_hashes(cfg)  # the files' content now: a checkpoint of other contents is not resumed
+    resumed = resume(ckpt_dir, cfg, inputs, on_skip=skipped.append, precision=plan.precision.name)
+    updater, store = _restore(cfg, plan, policy, ppo, resumed, ranks)
+    run = resumed or RunState(step=0, warmstart_acc=warmstart_acc, config=config_to_dict(cfg), inputs=inputs,
+                              precision=plan.precision.name)
     resumed_from = resumed.step if resumed is not None else None  # run.step moves on with the loop
     rewind_logger(logger, run.step, run.history)  # a file logger drops lines of steps after the checkpoint
     tables = None
@@ -172,14 +198,16 @@ def rl_train(
         if tables is not None:
             tables.write(0, heldout=heldout.greedy)
     run.eval_curve = run.eval_curve or [(0, run.warmstart_acc)]
-    producer, extensions = _start_producer(cfg, ppo, tokenizer, rollout_inputs, store, resumed, run.step, ranks)
-    method, train_threads = PROXIMAL_METHODS.get(proximal_method_name(rl)), update_threads(cfg)
+    producer, extensions = _start_producer(cfg, plan, ppo, tokenizer, rollout_inputs, store, resumed, run.step, ranks)
+    method = PROXIMAL_METHODS.get(plan.proximal)
+    guard = ApproximationGuard(rl, plan.max_staleness) if rl.guard_every else None  # rl.guard_every: 0 is off
     producer.start()
     t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
     last_ckpt = run.path
     try:
         for step in range(run.step, rl.steps):
-            metrics, scored = _train_next_batch(step, policy, producer, updater, store, extensions, run, cfg, method, train_threads, ranks, ppo)
+            metrics, scored = _train_next_batch(
+                step, policy, producer, updater, store, extensions, run, cfg, plan, method, ranks, ppo, guard)
             if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 held = heldout()
                 run.eval_curve.append((step + 1, held["eval/heldout_acc"]))
@@ -192,8 +220,9 @@ def rl_train(
             if progress is not None:
                 progress(step + 1, metrics)
             if ckpt_dir and ((step + 1) % rl.checkpoint_every == 0 or step + 1 == rl.steps):
-                snapshot = _snapshot(run, store, extensions, effective_max_staleness(rl))
-                last_ckpt = save_rank_checkpoint(ckpt_dir, snapshot, policy, updater, ranks, keep=rl.keep_checkpoints) or last_ckpt
+                snapshot = _snapshot(run, store, extensions, plan.max_staleness)
+                saved = save_rank_checkpoint(ckpt_dir, snapshot, policy, updater, ranks, keep=rl.keep_checkpoints)
+                last_ckpt = saved or last_ckpt
     finally:
         producer.stop()
         for ext in extensions:  # scorer threads end before the producer is joined
@@ -201,14 +230,17 @@ def rl_train(
         producer.join(timeout=30)
         producer.close()
     return TrainResult(
-        variant=rl.variant.value, seed=rl.seed, warmstart_acc=run.warmstart_acc, final_acc=run.eval_curve[-1][1], steps=rl.steps,
+        variant=rl.variant.value, seed=rl.seed, warmstart_acc=run.warmstart_acc, final_acc=run.eval_curve[-1][1],
+        steps=rl.steps,
         wall_s=time.perf_counter() - t_run, history=run.history, eval_curve=run.eval_curve, checkpoint=last_ckpt,
         resumed_from=resumed_from, checkpoints_skipped=skipped,
         final_weights=store.get(store.latest) if updater.partitioned else None,
     )
 
 
-def _restore(cfg: TrainConfig, policy: torch.nn.Module, ppo: PPOParts, resumed: RunState | None, ranks: Ranks) -> tuple[Updater, WeightStore]:
+def _restore(
+    cfg: TrainConfig, plan: RunPlan, policy: torch.nn.Module, ppo: PPOParts, resumed: RunState | None, ranks: Ranks
+) -> tuple[Updater, WeightStore]:
     """The updater (optimizer) and the store of policy versions, with the checkpoint's weights,
     optimizer state, PPO parts and the versions the producer still needs when ``resumed``."""
     if resumed is not None:
@@ -216,7 +248,7 @@ def _restore(cfg: TrainConfig, policy: torch.nn.Module, ppo: PPOParts, resumed: 
         ppo.load_weights(resumed.extensions)  # the critic's likewise, before its own engine
     updater = make_updater(policy, cfg.rl, cfg.distributed.deepspeed_config, ranks)
     ppo.make_updater(cfg.rl, cfg.distributed.deepspeed_config, ranks)
-    store = WeightStore(weight_retention(cfg))  # a version while a batch not yet trained can read it
+    store = WeightStore(weight_retention(plan))  # a version while a batch not yet trained can read it
     if resumed is not None:
         updater.load_optimizer_state(resumed.optimizer)
         ppo.load_state(resumed.extensions)
@@ -228,19 +260,20 @@ def _restore(cfg: TrainConfig, policy: torch.nn.Module, ppo: PPOParts, resumed: 
 
 
 def _start_producer(
-    cfg: TrainConfig, ppo: PPOParts, tokenizer, inputs: RolloutInputs, store: WeightStore, resumed: RunState | None, start: int, ranks: Ranks
+    cfg: TrainConfig, plan: RunPlan, ppo: PPOParts, tokenizer, inputs: RolloutInputs, store: WeightStore,
+    resumed: RunState | None, start: int, ranks: Ranks,
 ) -> tuple[Producer, list[Extension]]:
     """The producer of batches ``start, start + 1, ...`` (a thread of this process or rollout-worker
-    processes, a3po.placement.registry) and the run's extensions, restored from ``resumed``."""
+    processes, as the plan places it: a3po.placement.registry) and the run's extensions, restored from ``resumed``."""
     extensions: list[Extension] = [ppo]  # restored with the weights (the intra scorers copy its critic)
     if cfg.oppo.intra:  # the producer's scorers read the critic's version of each batch (a3po.oppo.intra)
-        intra = IntraCritic(cfg, ppo, tokenizer.pad_token_id, lag=effective_max_staleness(cfg.rl), retention=store.retention)
+        intra = IntraCritic(cfg, ppo, tokenizer.pad_token_id, lag=plan.max_staleness, retention=store.retention)
         if resumed is not None:
             intra.load_state(resumed.extensions)
         intra.begin(start)
         inputs = replace(inputs, intra=intra.scoring)
         extensions.append(intra)
-    producer = ROLLOUT_PLACEMENTS.get(placement_name(cfg.distributed))(inputs, store, start, ranks)
+    producer = ROLLOUT_PLACEMENTS.get(plan.placement)(inputs, store, start, ranks)
     if cfg.oppo.inter:
         carry = ProducerCarryOver(producer)
         if resumed is not None:
@@ -250,8 +283,10 @@ def _start_producer(
 
 
 def _train_next_batch(
-    step: int, policy: torch.nn.Module, producer: Producer, updater: Updater, store: WeightStore, extensions: list[Extension],
-    run: RunState, cfg: TrainConfig, method: ProximalMethod, train_threads: int, ranks: Ranks, ppo: PPOParts,
+    step: int, policy: torch.nn.Module, producer: Producer, updater: Updater, store: WeightStore,
+    extensions: list[Extension],
+    run: RunState, cfg: TrainConfig, plan: RunPlan, method: ProximalMethod, ranks: Ranks, ppo: PPOParts,
+    guard: ApproximationGuard | None = None,
 ) -> tuple[dict[str, float], ScoredBatch]:
     """Wait for batch ``step``, update the policy on it, tell the extensions, publish version ``step + 1``;
     returns the step's metrics and the batch."""
@@ -261,8 +296,11 @@ def _train_next_batch(
     if scored.index != step:
         raise RuntimeError(f"producer delivered batch {scored.index} for step {step}")
     updater.set_lr(learning_rate(cfg.rl, step))
-    with intra_op_threads(train_threads):  # every core where the producer idles meanwhile (sync)
-        metrics = train_step(updater.model, updater, scored, step, cfg.rl, method, ranks, ppo)
+    with intra_op_threads(plan.update_threads):  # every core where the producer idles meanwhile (sync)
+        metrics = train_step(updater.model, updater, scored, step, cfg.rl, method, ranks, ppo,
+                             trainer_logp=plan.trainer_logp, guard=guard)
+    if guard is not None and guard.policy.tightens:  # before version step + 1 is published (admission waits on it)
+        _lower_bound(producer, guard.bound)
     for ext in extensions:
         ext.after_update(step, scored)
     with updater.full_weights():
@@ -273,6 +311,15 @@ def _train_next_batch(
     metrics.update(scored.metrics)
     metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
     return metrics, scored
+
+
+def _lower_bound(producer: Producer, bound: int) -> None:
+    """Hand the guard's lowered staleness bound to the producer's admission. Rollouts in process
+    only: the config refuses ``rl.guard_policy: tighten`` with rollout workers (their own admission)."""
+    if not isinstance(producer, RolloutProducer):
+        raise RuntimeError(f"the staleness bound of a {type(producer).__name__} cannot change mid-run "
+                           "(rl.guard_policy 'tighten' needs rollouts in process)")
+    producer.lower_bound(bound)
 
 
 def _snapshot(run: RunState, store: WeightStore, extensions: list[Extension], lag: int) -> RunState:

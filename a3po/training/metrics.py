@@ -25,10 +25,32 @@ the step's batch, all minibatches together.
 ``loss/policy``                         decoupled PPO loss, mean over minibatches
 ``staleness/mean|max``                  trainer version minus token version, over generated
                                         tokens
+``staleness/tokens_<d>``                how many of the step's generated tokens were ``d``
+                                        versions behind (d = 0 .. the step's max): the
+                                        staleness histogram, summed over steps
 ``prox/time_s``                         wall time to obtain proximal log-probs this step
 ``prox/approx_abs_err|approx_iw_err``   (``proximal: metrics``) mean |loglinear - recomputed|
                                         log-prob, and the mean |exp(difference) - 1| it puts
                                         into the importance weight
+``guard/abs_err_mean|p99|max``          (``rl.guard_every``, checked steps only) |approximate -
+                                        exact| proximal log-prob over one minibatch's
+                                        generated tokens, nats (``a3po.training.guard``)
+``guard/iw_err_p99``                    ... p99 of |exp(difference) - 1|: the relative error
+                                        it puts into the behaviour weight
+``guard/behav_iw_p99|max``              ... the exact behaviour weight pi_prox / pi_behav
+``guard/tokens``                        ... how many tokens were compared
+``guard/fired``                         1 when a bound was crossed (``rl.guard_max_err``,
+                                        ``rl.guard_max_iw``; the reason goes to the
+                                        ``a3po.guard`` log), else 0
+``guard/over_max_err|over_max_iw``      ... which bound: 1 where ``guard/abs_err_p99``
+                                        passed ``rl.guard_max_err``, resp.
+                                        ``guard/behav_iw_p99`` passed ``rl.guard_max_iw``
+``guard/recomputed``                    1 when the step then trained on the recomputed
+                                        anchor (``rl.guard_policy: recompute``)
+``guard/tightened``                     1 when the staleness bound was lowered by one
+                                        (``rl.guard_policy: tighten``)
+``guard/bound``                         the staleness bound in force after the check
+``guard/time_s``                        wall time of the check (its one-minibatch forward)
 ``rollout/behav_logp_abs_err|_max``     (``proximal: metrics``, or a rollout correction) mean
                                         and max |engine - trainer| behaviour log-prob of the
                                         same weights

@@ -72,16 +72,19 @@ class PPOParts:
         a collective, every rank calls it), free of the engine's hooks and flat buffers."""
         if self.critic_updater is None or isinstance(self.critic_updater, LocalUpdater):
             return self.critic
-        with self.critic_full_weights(), torch.random.fork_rng(devices=[]):  # the copy's init draws nothing from the run's stream
+        # the copy's init draws nothing from the run's stream
+        with self.critic_full_weights(), torch.random.fork_rng(devices=[]):
             weights = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
             return plain_model(self.critic, weights)
 
-    def scores(self, batch, grader_scores: torch.Tensor, streamed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def scores(self, batch, grader_scores: torch.Tensor,
+               streamed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-sequence scores ``(N,)``: the grader's, or the reward model's (``streamed``: already
         computed while decoding, OPPO's intra-step overlap)."""
         if self.reward_model is None:
             return grader_scores, {}
-        s = streamed if streamed is not None else reward_model_scores(self.reward_model, batch.input_ids, batch.attention_mask)
+        s = streamed if streamed is not None else reward_model_scores(self.reward_model, batch.input_ids,
+                                                                      batch.attention_mask)
         agree = ((s > 0.5).float() == (grader_scores > 0.5).float()).float().mean()
         return s, {"reward/model_mean": s.mean().item(), "reward/model_grader_agreement": agree.item()}
 
@@ -95,7 +98,8 @@ class PPOParts:
                 ref_logp = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, self.temperature)
         kl = kl_penalty(batch.behav_logp, ref_logp, batch.response_mask, self.cfg.kl_estimator)
         n_seq = max(len(batch), 1)
-        return kl, {"ppo/kl": (kl.sum() / batch.response_mask.sum().clamp(min=1)).item(), "ppo/kl_seq": kl.sum().item() / n_seq}
+        return kl, {"ppo/kl": (kl.sum() / batch.response_mask.sum().clamp(min=1)).item(),
+                    "ppo/kl_seq": kl.sum().item() / n_seq}
 
     def values(self, batch, streamed: torch.Tensor | None = None) -> torch.Tensor:
         """The critic's values ``(N, L)`` when the batch is scored (``V_old`` of the value clip);
@@ -107,25 +111,29 @@ class PPOParts:
         with torch.no_grad():  # the whole batch on every rank (a collective forward under ZeRO-3: every rank runs it)
             return token_values(self._critic_model, batch.input_ids, batch.attention_mask)
 
-    def update_critic(self, batch, rows: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, grad_clip: float) -> dict[str, float]:
+    def update_critic(self, batch, rows: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                      grad_clip: float) -> dict[str, float]:
         """One optimizer step of the critic on ``rows`` (this rank's shard of a minibatch): the
         clipped value loss, scaled by ``vf_coef``, its token mean over the whole minibatch (the
         denominator all-reduced, as the policy's loss). The metrics are the whole minibatch's."""
         if self.critic_updater is None:
-            self.critic_updater = LocalUpdater(self.critic, self.critic_optimizer, grad_clip)
+            self.critic_updater = LocalUpdater(self.critic, self.critic_optimizer, grad_clip, what="critic")
         model, resp, clip = self._critic_model, batch.response_mask, self.cfg.value_clip
         model.train()
         v = token_values(model, batch.input_ids[rows], batch.attention_mask[rows])
-        loss, metrics = clipped_value_loss(v, old_values[rows], returns[rows], resp[rows], clip, n_tokens=self.ranks.sum(resp[rows].sum()))
+        loss, metrics = clipped_value_loss(v, old_values[rows], returns[rows], resp[rows], clip,
+                                           n_tokens=self.ranks.sum(resp[rows].sum()))
         grad_norm = self.critic_updater.update(self.cfg.vf_coef * loss)
         model.eval()
         if self.ranks.world_size > 1:  # the figures of the whole minibatch, as one process computes them
             mb = self.ranks.gather_rows(rows)
-            _, metrics = clipped_value_loss(self.ranks.gather_rows(v.detach()), old_values[mb], returns[mb], resp[mb], clip)
+            _, metrics = clipped_value_loss(self.ranks.gather_rows(v.detach()), old_values[mb], returns[mb],
+                                            resp[mb], clip)
         return {**metrics, "ppo/value_grad_norm": grad_norm}
 
     def further_critic_epochs(
-        self, batch, old_values: torch.Tensor, returns: torch.Tensor, minibatches: int, shard, seed: int, grad_clip: float
+        self, batch, old_values: torch.Tensor, returns: torch.Tensor, minibatches: int, shard, seed: int,
+        grad_clip: float
     ) -> dict[str, float]:
         """Passes 2..``critic_epochs`` of the critic over the batch (the first runs beside the
         policy's minibatches), each in its own permutation drawn on the CPU from ``seed`` (the
@@ -134,7 +142,8 @@ class PPOParts:
         for epoch in range(1, self.cfg.critic_epochs):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
             perm = torch.randperm(len(batch), generator=gen).to(batch.input_ids.device)
-            losses = [self.update_critic(batch, shard(mb), old_values, returns, grad_clip)["ppo/value_loss"] for mb in perm.chunk(minibatches)]
+            losses = [self.update_critic(batch, shard(mb), old_values, returns, grad_clip)["ppo/value_loss"]
+                      for mb in perm.chunk(minibatches)]
         return {"ppo/value_loss_last_epoch": sum(losses) / len(losses)} if losses else {}
 
     def state(self) -> dict:
@@ -149,7 +158,9 @@ class PPOParts:
         optimizer = self.critic_updater.optimizer_state()
         with self.critic_full_weights():  # ZeRO-3's gathered tensors are freed on exit: copy them
             state = self.critic.state_dict() if self.ranks.is_main else None
-            weights = {k: v.detach().clone() for k, v in state.items()} if state is not None and self.critic_updater.partitioned else state
+            weights = state
+            if state is not None and self.critic_updater.partitioned:
+                weights = {k: v.detach().clone() for k, v in state.items()}
         return {"critic": weights, "critic_optimizer": optimizer}
 
     def load_weights(self, state: dict) -> None:

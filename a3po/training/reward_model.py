@@ -34,7 +34,10 @@ from a3po.algorithms.checks import require_same_shape
 from a3po.devices import autocast_for, model_device, sampling_generator
 from a3po.grading.rewards import score_completions
 from a3po.models.logprobs import position_ids_from_mask
-from a3po.rollout.torch_engine import RolloutEngine, SamplingParams
+from a3po.rollout.torch_engine import RolloutEngine
+from a3po.rollout.types import SamplingParams
+from a3po.storage.atomic import atomic_write_text, save_pretrained_atomic
+from a3po.storage.content import folder_hashes, record_problem
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Example:
 
 @torch.no_grad()
 def sample_labelled(
-    policy, tokenizer, rows: list[dict], task: str, samples_per_prompt: int, params: SamplingParams, seed: int, batch_size: int = 64
+    policy, tokenizer, rows: list[dict], task: str, samples_per_prompt: int, params: SamplingParams, seed: int,
+    batch_size: int = 64
 ) -> list[Example]:
     """Completions of ``rows`` by ``policy``, labelled by the task's grader."""
     engine = RolloutEngine(policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -81,7 +85,8 @@ def sample_labelled(
         chunk = flat[start : start + batch_size]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk]
         batch = engine.generate(prompts, params, generator=gen)
-        texts = [tokenizer.decode([t for t in resp if t != tokenizer.eos_token_id], skip_special_tokens=True) for resp in batch.responses]
+        texts = [tokenizer.decode([t for t in resp if t != tokenizer.eos_token_id], skip_special_tokens=True)
+                 for resp in batch.responses]
         scores = score_completions(task, texts, [r["gold"] for r in chunk], [r["id"] for r in chunk])
         for p, resp, s, r in zip(prompts, batch.responses, scores, chunk, strict=True):
             out.append(Example(list(p) + resp, float(s), str(r["id"])))
@@ -98,7 +103,7 @@ def build_reward_model(policy, pad_token_id: int):
     param = next(policy.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        rm = AutoModelForSequenceClassification.from_config(config)
+        rm = AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
     rm.to(device=param.device, dtype=param.dtype)
     rm.base_model.load_state_dict(policy.base_model.state_dict())
     return rm.eval()
@@ -157,7 +162,8 @@ def classification_figures(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
 
 
 def train_reward_model(
-    rm, train: list[Example], heldout: list[Example], pad_token_id: int, steps: int, batch_size: int, lr: float, seed: int
+    rm, train: list[Example], heldout: list[Example], pad_token_id: int, steps: int, batch_size: int,
+    lr: float, seed: int
 ) -> dict[str, float]:
     """Binary cross-entropy of ``sigmoid(logit)`` against the grader's labels, ``steps`` AdamW
     steps on random batches of ``train``; returns the figures (``reward_model/*``)."""
@@ -200,10 +206,16 @@ def split_by_group(examples: list[Example], heldout_frac: float, seed: int) -> t
     return [e for e in examples if e.group not in held], [e for e in examples if e.group in held]
 
 
-def reward_model_key(warmstart_dir: str | Path, task: str, settings: RewardModelSettings, sampling: SamplingParams) -> str:
+def reward_model_key(warmstart_dir: str | Path, task: str, settings: RewardModelSettings,
+                     sampling: SamplingParams) -> str:
     """Cache key: the warm start (its folder name is its own key), the task, the settings."""
-    parts = {"warmstart": Path(warmstart_dir).name, "task": task, "settings": asdict(settings), "sampling": asdict(sampling)}
+    parts = {"warmstart": Path(warmstart_dir).name, "task": task, "settings": asdict(settings),
+             "sampling": asdict(sampling)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Written last into a reward-model folder: its held-out figures and the sha256 of each of its files.
+REWARD_MODEL_RECORD = "a3po_reward_model.json"
 
 
 def prepare_reward_model(
@@ -211,28 +223,34 @@ def prepare_reward_model(
     log: Callable[[str], None] = print,
 ) -> tuple[Path, dict[str, float]]:
     """Train the reward model of a :class:`a3po.config.TrainConfig`'s warm start once; returns
-    ``(model dir, figures)``. The folder (``reward-model-<key>``) is written atomically."""
+    ``(model dir, figures)``. The folder (``reward-model-<key>``) is written atomically and reused
+    only while its files hash as recorded when it was written (else it is trained again)."""
     from a3po.data.datasets import load_rows
     from a3po.devices import resolve_device
     from a3po.models.factory import load_pretrained
-    from a3po.training.run import save_pretrained_atomic
 
     params = SamplingParams(cfg.rl.max_new_tokens, cfg.rl.temperature)
     out = Path(cache_root) / f"reward-model-{reward_model_key(warmstart_dir, cfg.data.task, settings, params)}"
-    meta = out / "a3po_reward_model.json"
-    if meta.exists():
-        return out, json.loads(meta.read_text())
+    meta = out / REWARD_MODEL_RECORD
+    problem = record_problem(out, REWARD_MODEL_RECORD)
+    if problem is None:
+        return out, {k: v for k, v in json.loads(meta.read_text()).items() if k != "files"}
+    if out.exists():
+        log(f"reward model {out.name}: {problem}; training it again")
     torch.set_num_threads(cfg.torch_threads)
     policy, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, _, _ = load_rows(cfg.data, tokenizer)
     rows = random.Random(settings.seed).sample(train_rows, min(settings.n_prompts, len(train_rows)))
-    log(f"reward model: sampling {len(rows)} x {settings.samples_per_prompt} completions, labelled by the {cfg.data.task} grader")
-    examples = sample_labelled(policy, tokenizer, rows, cfg.data.task, settings.samples_per_prompt, params, settings.seed)
+    log(f"reward model: sampling {len(rows)} x {settings.samples_per_prompt} completions, labelled by "
+        f"the {cfg.data.task} grader")
+    examples = sample_labelled(policy, tokenizer, rows, cfg.data.task, settings.samples_per_prompt, params,
+                               settings.seed)
     train, heldout = split_by_group(examples, settings.heldout_frac, settings.seed)
     rm = build_reward_model(policy, tokenizer.pad_token_id)
     torch.manual_seed(settings.seed)
     log(f"reward model: {settings.steps} steps on {len(train)} examples, {len(heldout)} held out")
-    figures = train_reward_model(rm, train, heldout, tokenizer.pad_token_id, settings.steps, settings.batch_size, settings.lr, settings.seed)
+    figures = train_reward_model(rm, train, heldout, tokenizer.pad_token_id, settings.steps, settings.batch_size,
+                                 settings.lr, settings.seed)
     save_pretrained_atomic(rm, tokenizer, out)
-    meta.write_text(json.dumps(figures))
+    atomic_write_text(meta, json.dumps({**figures, "files": folder_hashes(out, exclude=(REWARD_MODEL_RECORD,))}))
     return out, figures

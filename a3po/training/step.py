@@ -5,7 +5,8 @@ reward model) -> reference KL -> critic values -> advantages -> proximal log-pro
 correction (``rl.rollout_correction``; none by default) -> minibatch updates of the decoupled
 PPO loss (and the critic's value loss) -> metrics. The PPO
 parts (:mod:`a3po.training.ppo_parts`) act only when configured; without them the step is GRPO's. The variants
-differ only in the proximal method and the staleness bound, both resolved before the loop.
+differ only in the proximal method and the staleness bound, both resolved once in the run's plan
+(:class:`a3po.config.plan.RunPlan`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,22 @@ from dataclasses import dataclass
 import torch
 
 from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from a3po.algorithms.checks import NonFiniteError
 from a3po.algorithms.losses import decoupled_ppo_loss
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
-from a3po.algorithms.proximal import ProximalMethod, ProxInputs
-from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, trainer_logp_source
+from a3po.algorithms.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
+from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 from a3po.algorithms.stability import TokenStats, stability_metrics
 from a3po.algorithms.value import between_prompt_share, explained_variance, token_rewards
-from a3po.config import RLConfig, correction_settings, effective_max_staleness
+from a3po.config import RLConfig, correction_settings
 from a3po.devices import synchronize
 from a3po.models.logprobs import prefix_repeats, token_logprobs
+from a3po.models.lora import is_lora
 from a3po.parallel.ranks import Ranks
 from a3po.parallel.updaters import LocalUpdater, Updater
 from a3po.producer.producer import ScoredBatch
 from a3po.rollout.logprob_mismatch import behaviour_mismatch
+from a3po.training.guard import ApproximationGuard
 from a3po.training.ppo_parts import PPOParts
 
 
@@ -84,15 +88,18 @@ def score_batch(scored: ScoredBatch, cfg: RLConfig, ppo: PPOParts) -> ScoredToke
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.advantage)
     values = ppo.values(batch, streamed.get("values")) if estimator.needs_values else None
     group_ids = torch.tensor([m["group"] for m in batch.meta], device=batch.input_ids.device)
-    est = estimator(AdvantageInputs(token_rewards(scores, resp, kl, ppo.cfg.kl_coef), resp, group_ids, values, ppo.cfg.gamma, ppo.cfg.lam))
+    est = estimator(AdvantageInputs(token_rewards(scores, resp, kl, ppo.cfg.kl_coef), resp, group_ids, values,
+                                    ppo.cfg.gamma, ppo.cfg.lam))
     ppo_metrics.update(kl_metrics)
     if values is not None:
         ppo_metrics.update(_value_metrics(values, est.returns, resp))
-        ppo_metrics["ppo/ev_prompt_ceiling"] = between_prompt_share(scores, group_ids)  # what knowing each prompt's rate explains
+        # what knowing each prompt's rate explains
+        ppo_metrics["ppo/ev_prompt_ceiling"] = between_prompt_share(scores, group_ids)
     return ScoredTokens(est.advantages, values, est.returns, group_ids, ppo_metrics)
 
 
-def proximal_anchor(policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig, method: ProximalMethod) -> tuple[torch.Tensor | None, float]:
+def proximal_anchor(policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig,
+                    method: ProximalMethod) -> tuple[torch.Tensor | None, float]:
     """The proximal anchor: log-probs ``(N, L)`` of the weights before this update, and the
     seconds they took. Only methods that need it pay for the extra forward pass (recompute,
     metrics); loglinear never runs the model here (None)."""
@@ -103,45 +110,58 @@ def proximal_anchor(policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig,
     exact_prox = None
     if method.needs_forward:
         with torch.no_grad():
-            exact_prox = token_logprobs(policy, batch.input_ids, batch.attention_mask, cfg.temperature, start=batch.prompt_len,
+            exact_prox = token_logprobs(policy, batch.input_ids, batch.attention_mask, cfg.temperature,
+                                        start=batch.prompt_len,
                                         share_prompt=cfg.shared_prompt_forward)
         synchronize(device)  # time the forward, not its launch (no-op on CPU)
     return exact_prox, time.perf_counter() - t0
 
 
 def rollout_correction(
-    policy: torch.nn.Module, scored: ScoredBatch, cfg: RLConfig, staleness: torch.Tensor, exact_prox: torch.Tensor | None
+    policy: torch.nn.Module,
+    scored: ScoredBatch,
+    cfg: RLConfig,
+    staleness: torch.Tensor,
+    exact_prox: torch.Tensor | None,
+    source: str | None = None,
 ) -> BehaviourCorrection:
     """The engine-vs-trainer mismatch of the behaviour log-probs, corrected by ``rl.rollout_correction``
     (``a3po.algorithms.rollout_correction``): ``log rho_t = log pi_trainer(v) - log pi_engine(v)`` per
     generated token, the method's weights ``c_t``, and the trainer's log-probs for the loss's ``w``.
 
-    The trainer's log-probs of the behaviour versions come from where they are cheapest exactly
-    (:func:`~a3po.algorithms.rollout_correction.trainer_logp_source`): every token on-policy (sync),
-    the weights before this update, so the proximal forward when the method ran one (recompute)
-    and one no-grad forward here otherwise; asynchronously, the producer's re-scoring of each
-    version (``scored.streamed['trainer_behav_logp']``). With ``none`` nothing is computed."""
+    The trainer's log-probs of the behaviour versions come from ``source``, where the run's plan
+    found them cheapest exactly (:attr:`a3po.config.plan.RunPlan.trainer_logp`): ``'trainer'``, every
+    token on-policy (sync), the weights before this update, so the proximal forward when the method
+    ran one (recompute) and one no-grad forward here otherwise; ``'producer'``, asynchronously, the
+    producer's re-scoring of each version (``scored.streamed['trainer_behav_logp']``). None: no
+    correction, nothing is computed (``none``)."""
     batch = scored.rollout
-    source = trainer_logp_source(cfg.rollout_correction, effective_max_staleness(cfg))
     if source is None:
+        name = cfg.rollout_correction
+        if ROLLOUT_CORRECTIONS.get(name).needs_trainer_logp:  # the caller did not pass the plan's source
+            raise ValueError(f"rl.rollout_correction {name!r} needs the trainer's log-probs: pass the run plan's "
+                             "trainer_logp (a3po.config.plan.RunPlan) as the source")
         return BehaviourCorrection(batch.behav_logp, None, {})
     resp, device = batch.response_mask, batch.input_ids.device
     synchronize(device)
     t0 = time.perf_counter()
     if source == "trainer":
         if bool((staleness[resp] != 0).any()):  # the weights before this update are not every token's behaviour version
-            raise RuntimeError("rollout correction from the trainer's forward needs every token on-policy (staleness 0)")
+            raise RuntimeError("rollout correction from the trainer's forward needs every "
+                               "token on-policy (staleness 0)")
         trainer_logp = exact_prox
         if trainer_logp is None:
             with torch.no_grad():
-                trainer_logp = token_logprobs(policy, batch.input_ids, batch.attention_mask, cfg.temperature, start=batch.prompt_len,
+                trainer_logp = token_logprobs(policy, batch.input_ids, batch.attention_mask, cfg.temperature,
+                                              start=batch.prompt_len,
                                               share_prompt=cfg.shared_prompt_forward)
             synchronize(device)
     else:
         trainer_logp = scored.streamed.get("trainer_behav_logp")
         if trainer_logp is None:
-            raise RuntimeError(f"batch {scored.index} has no trainer log-probs of its behaviour versions: the producer must "
-                               "re-score it (a3po.rollout.logprob_mismatch.BehaviourCheck with keep_logp)")
+            raise RuntimeError(f"batch {scored.index} has no trainer log-probs of its behaviour "
+                               "versions: the producer must re-score it "
+                               "(a3po.rollout.logprob_mismatch.BehaviourCheck with keep_logp)")
     log_ratio = torch.where(resp, trainer_logp - batch.behav_logp, torch.zeros_like(batch.behav_logp))
     corr = ROLLOUT_CORRECTIONS.get(cfg.rollout_correction)(log_ratio, resp, correction_settings(cfg))
     metrics = {**corr.metrics, "correction/time_s": time.perf_counter() - t0}
@@ -176,8 +196,10 @@ def update_minibatch(
     if share and updater.partitioned and ranks.world_size > 1:
         # Under ZeRO-3 each forward is a collective (the ranks gather the parameters together), so every rank
         # must run as many: sharing runs two where a prompt of the shard repeats, one where none does.
-        share = int(ranks.sum(torch.tensor(int(prefix_repeats(ids[rows], attn[rows], batch.prompt_len)), device=device))) == ranks.world_size
-    logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True, start=batch.prompt_len,
+        repeats = torch.tensor(int(prefix_repeats(ids[rows], attn[rows], batch.prompt_len)), device=device)
+        share = int(ranks.sum(repeats)) == ranks.world_size
+    logp, ent = token_logprobs(policy, ids[rows], attn[rows], cfg.temperature, return_entropy=True,
+                               start=batch.prompt_len,
                                share_prompt=share)
     synchronize(device)  # the proximal timer must not include this forward (no-op on CPU)
     t0 = time.perf_counter()
@@ -195,7 +217,8 @@ def update_minibatch(
     # Token mean over the whole minibatch, whatever the number of ranks sharing it.
     minibatch_tokens = ranks.sum(resp[rows].sum())
     loss, loss_metrics, token_stats = decoupled_ppo_loss(
-        logp, prox, behav.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
+        logp, prox, behav.behav_logp[rows], adv[rows], resp[rows], cfg.eps_clip, cfg.eps_clip_high,
+        cfg.behav_weight_cap,
         n_tokens=minibatch_tokens, return_tokens=True, correction=None if weights is None else weights[rows],
     )
     grad_norm = updater.update(loss)
@@ -216,10 +239,12 @@ def update_minibatch(
 
 
 def step_metrics(
-    scored: ScoredBatch, minibatches: list[MinibatchResult], staleness: torch.Tensor, prox_time_s: float, step_time_s: float,
+    scored: ScoredBatch, minibatches: list[MinibatchResult], staleness: torch.Tensor, prox_time_s: float,
+    step_time_s: float,
     ppo_metrics: dict[str, float],
 ) -> dict[str, float]:
-    """The step's metrics: the minibatches' combined (stability over all the step's tokens), plus rollout-level figures."""
+    """The step's metrics: the minibatches' combined (stability over all the step's tokens), plus
+    rollout-level figures."""
     batch, rewards = scored.rollout, scored.rewards
     resp = batch.response_mask
     metrics = combine_minibatch_metrics([m.metrics for m in minibatches], [m.tokens for m in minibatches])
@@ -232,6 +257,7 @@ def step_metrics(
             "policy/entropy": sum(m.entropy_sum for m in minibatches) / max(sum(m.entropy_n for m in minibatches), 1),
             "staleness/mean": st_mean,
             "staleness/max": st_max,
+            **staleness_counts(staleness, resp),
             "prox/time_s": prox_time_s,
             "perf/step_time_s": step_time_s,
             "perf/gen_time_s": scored.gen_time_s,
@@ -254,6 +280,8 @@ def train_step(
     method: ProximalMethod,
     ranks: Ranks | None = None,
     ppo: PPOParts | None = None,
+    trainer_logp: str | None = None,
+    guard: ApproximationGuard | None = None,
 ) -> dict[str, float]:
     """One policy update on one (possibly stale) batch; returns the step's metrics.
 
@@ -261,10 +289,15 @@ def train_step(
     under data parallelism every rank holds the whole batch and trains on its shard of each
     minibatch, and the metrics are those of the whole minibatch on every rank (``ranks``: one
     process when None). ``ppo`` holds the reward model, reference and critic when the config uses
-    them (see :mod:`a3po.training.ppo_parts`; None: GRPO's path)."""
+    them (see :mod:`a3po.training.ppo_parts`; None: GRPO's path). ``trainer_logp``: where
+    ``rl.rollout_correction`` reads the trainer's behaviour log-probs (the run plan's
+    :attr:`~a3po.config.plan.RunPlan.trainer_logp`; None: no correction). ``guard``: the run's check
+    of an approximate anchor (``rl.guard_every``, :mod:`a3po.training.guard`; None: none)."""
     ranks = ranks if ranks is not None else Ranks()
     ppo = ppo if ppo is not None else PPOParts()
-    updater = LocalUpdater(policy, optimizer, cfg.grad_clip) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    updater = optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        updater = LocalUpdater(policy, optimizer, cfg.grad_clip)
     t_start = time.perf_counter()
     batch = scored.rollout
     # 1. Rewards, KL, values -> per-token advantages.
@@ -274,19 +307,37 @@ def train_step(
     # 3. Proximal anchor = the weights before this update.
     exact_prox, prox_time = proximal_anchor(policy, scored, cfg, method)
     # 3b. Rollout correction: the trainer's log-probs of the behaviour versions against the engine's.
-    behav = rollout_correction(policy, scored, cfg, staleness, exact_prox)
+    behav = rollout_correction(policy, scored, cfg, staleness, exact_prox, trainer_logp)
     tokens.metrics.update(behav.metrics)
     # 4. Minibatch updates of the decoupled PPO loss. The order is drawn on the CPU and moved:
     #    the same minibatches on every device.
     split = MINIBATCH_SPLITS.get(cfg.minibatch_split)
-    perm = split(tokens.group_ids, torch.Generator().manual_seed(minibatch_seed(cfg.seed, version))).to(batch.input_ids.device)
+    gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, version))
+    perm = split(tokens.group_ids, gen).to(batch.input_ids.device)
+    # 4a. The guard (rl.guard_every): the run's anchor against the exact one on the first minibatch's
+    #     rows; where it fires, its policy may have this step train on the exact anchor instead.
+    if guard is not None and guard.due(version):
+        verdict = guard.check(policy, scored, perm.chunk(cfg.minibatches)[0], staleness, method, cfg, ranks, version)
+        tokens.metrics.update(verdict.metrics)
+        if verdict.policy is not None and verdict.policy.anchor is not None:
+            method = PROXIMAL_METHODS.get(verdict.policy.anchor)
+            exact_prox, anchor_time = proximal_anchor(policy, scored, cfg, method)
+            prox_time += anchor_time
     policy.train()
-    done = [update_minibatch(policy, updater, scored, mb, tokens, staleness, exact_prox, cfg, method, ranks, ppo, behav)
-            for mb in perm.chunk(cfg.minibatches)]
-    policy.eval()
-    if tokens.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
-        tokens.metrics.update(ppo.further_critic_epochs(batch, tokens.values, tokens.returns, cfg.minibatches, ranks.shard,
-                                                        minibatch_seed(cfg.seed, version), cfg.grad_clip))
+    try:
+        done = [update_minibatch(policy, updater, scored, mb, tokens, staleness, exact_prox, cfg, method, ranks,
+                                 ppo, behav)
+                for mb in perm.chunk(cfg.minibatches)]
+        if tokens.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
+            tokens.metrics.update(ppo.further_critic_epochs(batch, tokens.values, tokens.returns, cfg.minibatches,
+                                                            ranks.shard,
+                                                            minibatch_seed(cfg.seed, version), cfg.grad_clip))
+    except NonFiniteError as e:  # say which step, and the settings that scale an update
+        likely = "model.lora.alpha (adapters scale by alpha / r), rl.lr" if is_lora(policy) else "rl.lr, ppo.vf_coef"
+        raise NonFiniteError(f"step {version + 1}: non-finite training, {e}; the run stops, its checkpoints "
+                             f"hold the steps before (likely too large: {likely})") from None
+    finally:
+        policy.eval()
     # 5. Metrics.
     for m in done:
         prox_time += m.prox_time_s
@@ -297,9 +348,18 @@ def combine_minibatch_metrics(per_minibatch: list[dict[str, float]], tokens: lis
     """A step's metrics from its minibatches': the stability statistics (``a3po.algorithms.stability``) over
     all the step's tokens together (a quantile of the step, not a mean of minibatch quantiles);
     every other metric the mean over minibatches (the maximum for ``*_max``)."""
-    metrics = {k: (max if k.endswith("_max") else (lambda v: sum(v) / len(v)))([m[k] for m in per_minibatch]) for k in per_minibatch[0]}
+    metrics = {k: (max if k.endswith("_max") else (lambda v: sum(v) / len(v)))([m[k] for m in per_minibatch])
+               for k in per_minibatch[0]}
     metrics.update(stability_metrics(TokenStats.cat(tokens)))
     return metrics
+
+
+def staleness_counts(staleness: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """``staleness/tokens_<d>``: how many of the step's generated tokens were ``d`` versions behind
+    the trainer, for each ``d`` from 0 to the step's largest (a count vector the histogram of a run
+    sums over steps; bounded by ``rl.max_staleness``)."""
+    counts = torch.bincount(staleness[mask.bool()].long().clamp(min=0).flatten().cpu())
+    return {f"staleness/tokens_{d}": float(n) for d, n in enumerate(counts.tolist())}
 
 
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:

@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from a3po.algorithms.checks import NonFiniteError, require_finite_update
 from a3po.config import WarmStartConfig
 from a3po.data.prompts import PromptStyle
 from a3po.devices import autocast_for, model_device
@@ -15,7 +16,8 @@ from a3po.models.logprobs import position_ids_from_mask
 from a3po.rollout.padding import left_pad
 
 
-def sft_batch(tokenizer, rows: list[dict], style: PromptStyle = PromptStyle()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_batch(tokenizer, rows: list[dict],
+              style: PromptStyle = PromptStyle()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded ``prompt + solution + eos`` (the prompt formatted by ``style``, as RL will
     see it); labels are -100 outside the solution."""
     seqs, targets = [], []
@@ -30,7 +32,8 @@ def sft_batch(tokenizer, rows: list[dict], style: PromptStyle = PromptStyle()) -
 
 
 def warm_start(
-    model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmStartConfig, progress=None, style: PromptStyle = PromptStyle()
+    model: torch.nn.Module, tokenizer, rows: list[dict], cfg: WarmStartConfig, progress=None,
+    style: PromptStyle = PromptStyle()
 ) -> dict[str, float]:
     """Train ``model`` in place for ``cfg.steps`` steps; returns the final loss. ``cfg.steps ==
     0`` leaves the model as it is (and rows need no solution)."""
@@ -51,14 +54,22 @@ def warm_start(
     device = model_device(model)
     loss_val = float("nan")
     for step in range(cfg.steps):
-        ids, mask, labels = (t.to(device) for t in sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows))), style))
+        batch = sft_batch(tokenizer, rng.sample(rows, min(cfg.batch_size, len(rows))), style)
+        ids, mask, labels = (t.to(device) for t in batch)
         with autocast_for(model):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
         logits = logits.float()  # the loss in fp32 whatever the weights (a no-op in fp32)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        try:  # before the step: a NaN or infinite update would be saved as the warm start
+            require_finite_update(loss, grad_norm, "warm start")
+        except NonFiniteError as e:
+            raise NonFiniteError(f"warm-start step {step + 1}: non-finite training, {e} (likely: "
+                                 f"warm_start.lr, or model {type(model).__name__}'s "
+                                 "weights already hold NaN/inf)") from None
         opt.step()
         sched.step()
         loss_val = loss.item()

@@ -1,0 +1,160 @@
+"""The A-3PO claims report: the verdict rules on hand-made comparison rows (no server), and the
+flow end to end on the micro preset through a real Prefect run (``prefect_server``) and a real
+MLflow store (SQLite in tmp_path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.claims import CLAIMS, NOT_MEASURABLE, NOT_REPRODUCED, REPRODUCED, Rule, check_claims, claims_markdown, spread
+
+
+def _row(variant, seeds):
+    """A tasks.summary.compare row: ``seeds`` = {seed: {figure: value}}."""
+    return {"variant": variant, "per_seed": [{"seed": s, **f} for s, f in seeds.items()]}
+
+
+def _fig(prox, ttt, reward, iw_max, clipped):
+    return {"prox_time_s": prox, "time_to_target_s": ttt, "final_reward": reward, "behav_iw_max": iw_max, "clipped_frac": clipped}
+
+
+def _verdicts(rows, target=0.5):
+    return {r["claim"]: (r["verdict"], r["reason"]) for r in check_claims(rows, target)}
+
+
+def test_every_claim_reproduced_when_loglinear_wins_on_every_seed():
+    # Per seed (s = 0, 1): prox ratio 0.05 / 0.001 = 50 >= 10; ttt ratios 100/60 and 80/60 > 1;
+    # reward gap 0.60 - 0.62 = -0.02 >= -0.05; IW max 5/15 < 1; clipped 0.001 - min(0.002, 0.004) < 0.
+    rows = [
+        _row("sync", {s: _fig(0.0001, 80.0, 0.6, 1.0, 0.004) for s in (0, 1)}),
+        _row("recompute", {s: _fig(0.05, 100.0, 0.62, 15.0, 0.002) for s in (0, 1)}),
+        _row("loglinear", {s: _fig(0.001, 60.0, 0.60, 5.0, 0.001) for s in (0, 1)}),
+    ]
+    v = _verdicts(rows)
+    assert {k: x[0] for k, x in v.items()} == {c.key: REPRODUCED for c in CLAIMS}
+    assert "on all 2 seed(s)" in v["prox_time"][1]
+
+
+def test_claims_are_judged_per_placement():
+    # Colocated: sync 50 s vs loglinear 60 s to target (async slower); disaggregated: 100 s vs 60 s.
+    rows = [
+        _row("sync", {0: _fig(0.0001, 50.0, 0.6, 1.0, 0.004)}),
+        _row("loglinear", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.001)}),
+        _row("sync@disaggregated", {0: _fig(0.0001, 100.0, 0.6, 1.0, 0.004)}),
+        _row("loglinear@disaggregated", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.001)}),
+    ]
+    results = {r["claim"]: r for r in check_claims(rows, 0.5)}
+    assert results["ttt_vs_sync"]["verdict"] == NOT_REPRODUCED and results["ttt_vs_sync"]["placement"] == "colocated"
+    assert results["ttt_vs_sync"]["values"] == {"0": pytest.approx(50.0 / 60.0)}
+    assert results["ttt_vs_sync_on_disaggregated"]["verdict"] == REPRODUCED
+    assert results["ttt_vs_sync_on_disaggregated"]["values"] == {"0": pytest.approx(100.0 / 60.0)}
+    assert results["ttt_vs_recompute_on_disaggregated"]["verdict"] == NOT_MEASURABLE  # recompute was not run there
+    assert "(ttt_vs_sync_on_disaggregated)" in claims_markdown(list(results.values()))
+
+
+def test_one_failing_seed_means_not_reproduced_and_is_named():
+    # Seed 1 of loglinear: IW max 20 > recompute's 15 (ratio 1.33), clipped 0.003 > recompute's 0.002,
+    # reward 0.50 - 0.62 = -0.12 < -0.05, ttt 120 > recompute's 100 and sync's 80.
+    ll = {0: _fig(0.001, 60.0, 0.60, 5.0, 0.001), 1: _fig(0.001, 120.0, 0.50, 20.0, 0.003)}
+    rows = [
+        _row("sync", {s: _fig(0.0001, 80.0, 0.6, 1.0, 0.004) for s in (0, 1)}),
+        _row("recompute", {s: _fig(0.05, 100.0, 0.62, 15.0, 0.002) for s in (0, 1)}),
+        _row("loglinear", ll),
+    ]
+    v = _verdicts(rows)
+    assert v["prox_time"][0] == REPRODUCED
+    for key in ("ttt_vs_recompute", "ttt_vs_sync", "reward_parity", "behav_iw_extremes", "clipped_tokens"):
+        assert v[key][0] == NOT_REPRODUCED, key
+        assert "1 of 2 seed(s) (seed 1" in v[key][1], v[key][1]
+    assert "(seed 1: -0.12)" in v["reward_parity"][1]
+    assert "(seed 1: 1.33)" in v["behav_iw_extremes"][1]
+
+
+def test_not_measurable_with_the_reason():
+    only_ll = [_row("loglinear", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.0)})]
+    v = _verdicts(only_ll)
+    assert {x[0] for x in v.values()} == {NOT_MEASURABLE}
+    assert v["prox_time"][1] == "recompute was not run"
+    assert v["clipped_tokens"][1] == "no other variant to compare with"
+    rows = [
+        _row("sync", {0: _fig(0.0001, None, 0.6, 1.0, 0.0)}),  # sync never reached the target
+        _row("recompute", {0: _fig(0.05, 100.0, 0.62, 15.0, 0.0)}),
+        _row("loglinear", {0: _fig(0.0, 60.0, 0.60, 5.0, 0.0)}),  # prox time below the timer's resolution
+    ]
+    v = _verdicts(rows)
+    assert v["ttt_vs_sync"] == (NOT_MEASURABLE, "sync has no time to target on seed(s) 0 (target not reached)")
+    assert v["prox_time"][0] == NOT_MEASURABLE and "is 0" in v["prox_time"][1]
+    assert v["clipped_tokens"] == (NOT_MEASURABLE, "no variant clipped any token")
+    assert _verdicts(rows, target=None)["ttt_vs_recompute"] == (NOT_MEASURABLE, "no variant improved on the first-step reward, so there is no target")
+
+
+def test_rule_thresholds_are_inclusive_or_strict_as_written():
+    assert Rule(">=", 10).holds(10.0) and not Rule(">", 1).holds(1.0) and Rule("<=", 0).holds(0.0) and not Rule("<", 1).holds(1.0)
+    with pytest.raises(ValueError, match="rule operator"):
+        Rule("==", 1.0)
+    # Ties in the clipped fraction pass ("fewest" includes equal), and at exactly -0.05 parity passes.
+    # Rewards 0.0 and 0.05: the gap 0.0 - 0.05 is the double -0.05 itself (0.60 - 0.65 would not be).
+    rows = [_row("recompute", {0: _fig(0.05, 100.0, 0.05, 15.0, 0.002)}), _row("loglinear", {0: _fig(0.001, 60.0, 0.0, 5.0, 0.002)})]
+    v = _verdicts(rows)
+    assert v["clipped_tokens"][0] == REPRODUCED
+    assert v["reward_parity"][0] == REPRODUCED
+    rows[1]["per_seed"][0]["final_reward"] = -0.0001  # just past the tolerance
+    assert _verdicts(rows)["reward_parity"][0] == NOT_REPRODUCED
+
+
+def test_spread_and_markdown():
+    assert spread([2.0], "x") == "2x (1 seed)"
+    assert spread([1.0, 2.0, 3.0], "x") == "2x +- 1 (1x..3x, 3 seeds)"  # sample std of 1, 2, 3 is 1
+    assert spread([-0.02, 0.0]) == "-0.01 +- 0.014 (-0.02..+0, 2 seeds)"
+    md = claims_markdown(check_claims([_row("loglinear", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.0)})], None))
+    assert sum(line.startswith("| ") for line in md.splitlines()) == len(CLAIMS) + 1  # the header and one row per claim
+
+
+def test_paper_claims_flow_end_to_end(prefect_server, tmp_path):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from flows.paper_claims import ClaimsSpec, paper_claims
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = paper_claims(ClaimsSpec(preset="micro", seeds=[0], steps=3, tracking_uri=uri, experiment="claims", output_dir=str(tmp_path / "out"),
+                       system_metrics_interval_s=60.0))
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["claims"])
+    parent = runs[runs["tags.a3po.role"] == "parent"].iloc[0]
+    assert parent["run_id"] == res["parent_run_id"] and parent["tags.a3po.kind"] == "claims" and parent["status"] == "FINISHED"
+    assert sorted(runs[runs["tags.a3po.role"] == "child"]["tags.a3po.variant"]) == ["loglinear", "recompute", "sync"]
+    client = MlflowClient(uri)
+    path = client.download_artifacts(res["parent_run_id"], "claims.md", str(tmp_path / "dl"))
+    text = open(path).read()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim |")]
+    assert len(rows) == len(CLAIMS)
+    verdicts = (REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE)
+    for claim, line in zip(CLAIMS, rows, strict=True):
+        assert f"({claim.key})" in line
+        assert sum(f"**{v}**" in line for v in verdicts) == 1, line
+        assert parent[f"tags.claim.{claim.key}"] in verdicts
+    # The paper's proximal-time claim is measurable on any run with both variants: recompute's
+    # forward pass takes time (3 steps, 1 seed).
+    assert parent["tags.claim.prox_time"] != NOT_MEASURABLE
+
+    # The figures behind two verdicts, recomputed here from the runs' own step records (not through
+    # tasks.summary): 3 steps -> a smoothing window of ceil(0.25 x 3) = 1 step, so the final reward
+    # is the last step's reward/mean; the proximal time is the mean of prox/time_s over the steps.
+    history = {r["variant"]: [json.loads(line) for line in open(r["history_path"])] for r in res["runs"]}
+    assert all(len(h) == 3 for h in history.values())
+    by_claim = {r["claim"]: r for r in res["claims"]}
+    gap = history["loglinear"][-1]["reward/mean"] - history["recompute"][-1]["reward/mean"]
+    parity = by_claim["reward_parity"]
+    assert parity["values"] == {"0": pytest.approx(gap)}
+    assert parity["verdict"] == (REPRODUCED if gap >= -0.05 else NOT_REPRODUCED), (gap, parity)
+    prox = lambda v: sum(h.get("prox/time_s", 0.0) for h in history[v]) / 3  # noqa: E731
+    ratio = prox("recompute") / prox("loglinear")
+    assert by_claim["prox_time"]["values"] == {"0": pytest.approx(ratio)}
+    assert by_claim["prox_time"]["verdict"] == (REPRODUCED if ratio >= 10 else NOT_REPRODUCED), (ratio, by_claim["prox_time"])
+    # ... and the parent run carries the same figures and verdicts.
+    assert parent["metrics.claims/reward_parity/mean"] == pytest.approx(gap)
+    assert parent["metrics.claims/prox_time/mean"] == pytest.approx(ratio)
+    assert all(parent[f"tags.claim.{k}"] == r["verdict"] for k, r in by_claim.items())

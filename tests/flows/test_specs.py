@@ -1,0 +1,72 @@
+"""The comparison flows' typed parameters: each flow takes one spec (a pydantic model the Prefect UI
+renders as its run form), the deployments of infra/prefect.yaml fit it, ``infra/deploy.py --param
+KEY=VALUE`` sets its fields, and an arm is one value whose name is written and read in one place."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+from a3po.config import preset, with_overrides
+from a3po.config.axes import OPPO_MODE_NAMES, PLACEMENTS
+from flows.compare_variants import CompareSpec, compare_variants
+from flows.nightly_parity import NightlySpec, nightly_parity
+from flows.paper_claims import ClaimsSpec, paper_claims
+from tasks.arms import Arm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "infra"))
+from deploy import deployments, flow_parameters  # noqa: E402  (infra/ is not a package)
+
+PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
+
+
+@pytest.mark.parametrize("flow, spec_type", [(compare_variants, CompareSpec), (nightly_parity, NightlySpec), (paper_claims, ClaimsSpec)])
+def test_each_comparison_flow_takes_one_typed_spec(flow, spec_type):
+    params = inspect.signature(flow.fn).parameters
+    assert list(params) == ["spec"] and params["spec"].default == spec_type()
+    # The form Prefect renders: one object parameter whose fields are the spec's, described.
+    schema = flow.parameters.model_dump()
+    assert list(schema["properties"]) == ["spec"]
+    fields = schema["definitions"][spec_type.__name__]["properties"]
+    assert set(fields) == set(spec_type.model_fields)
+    assert fields["seeds"]["description"].startswith("RL seeds")
+
+
+def test_deployments_fit_their_flows_and_param_flags_set_spec_fields():
+    from prefect.flows import load_flow_from_entrypoint
+
+    deps = deployments()
+    for name in ("nightly-parity", "compare-variants"):
+        flow = load_flow_from_entrypoint(str(ROOT / deps[name]["entrypoint"]))
+        assert set(deps[name]["parameters"]) == {"spec"}
+        flow.validate_parameters(deps[name]["parameters"])  # raises naming the field when the YAML drifts
+    # The flags CI passes (infra/ci_team_mode.sh) land in the spec, over the YAML's values.
+    params = flow_parameters(deps["nightly-parity"]["parameters"], ["preset=micro", "seeds=[0]", "steps=4", 'references=["recompute"]'])
+    assert params["spec"]["preset"] == "micro" and params["spec"]["references"] == ["recompute"]
+    assert params["spec"]["fail_on_regression"] is True  # the YAML's own value stays
+    spec = NightlySpec(**params["spec"])
+    assert (spec.steps, spec.references, spec.candidate) == (4, [Arm(variant="recompute")], Arm(variant="loglinear"))
+    assert deps["nightly-parity"]["parameters"]["spec"]["preset"] == "tiny"  # the YAML's dict is not changed
+    with pytest.raises(Exception, match="unknown OPPO mode 'sideways'"):
+        load_flow_from_entrypoint(str(ROOT / deps["nightly-parity"]["entrypoint"])).validate_parameters(
+            flow_parameters(deps["nightly-parity"]["parameters"], ["candidate=loglinear+oppo-sideways"]))
+
+
+def test_every_arm_name_round_trips_through_its_config():
+    # 3 variants x 4 OPPO modes x 2 placements = 24 arms, on the PPO path (intra needs a scoring model).
+    base = with_overrides(preset("micro"), **PPO_MICRO)
+    names = set()
+    for variant, mode, placement in itertools.product(("sync", "recompute", "loglinear"), OPPO_MODE_NAMES, PLACEMENTS):
+        arm = Arm(variant=variant, oppo=mode, placement=placement)
+        if variant == "sync" and mode in ("inter", "both"):
+            continue  # sync has no staleness to carry groups over with (refused by the config)
+        assert Arm.parse(arm.name) == Arm(variant=variant, oppo=None if mode == "off" else mode,
+                                          placement=None if placement == "colocated" else placement)
+        assert Arm.of(arm.config(base, seed=1)) == arm  # the config runs the arm it was built from
+        names.add(arm.name)
+    assert len(names) == 20 and "loglinear+oppo-both@disaggregated" in names and "sync" in names
