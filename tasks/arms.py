@@ -72,6 +72,13 @@ class Arm(BaseModel):
         return _fields_of(value) if isinstance(value, str) else value
 
     @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        # A deployment names an arm by its name (infra/prefect.yaml: `candidate: loglinear`), and a
+        # Prefect server checks deployment parameters against this schema: a name is valid too.
+        name = {"type": "string", "title": "Arm name", "description": "e.g. loglinear, loglinear+oppo-inter@disaggregated"}
+        return {"anyOf": [name, handler(core_schema)]}
+
+    @classmethod
     def parse(cls, name: str) -> Arm:
         """The arm of a name; raises ValueError naming the valid variants, modes or placements."""
         return cls(**_fields_of(name))

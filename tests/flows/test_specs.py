@@ -9,6 +9,7 @@ import itertools
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from a3po.config import preset, with_overrides
@@ -45,6 +46,8 @@ def test_deployments_fit_their_flows_and_param_flags_set_spec_fields():
         flow = load_flow_from_entrypoint(str(ROOT / deps[name]["entrypoint"]))
         assert set(deps[name]["parameters"]) == {"spec"}
         flow.validate_parameters(deps[name]["parameters"])  # raises naming the field when the YAML drifts
+        # What a Prefect server checks when the deployment is applied: its JSON schema (arms given by name).
+        jsonschema.validate(deps[name]["parameters"], flow.parameters.model_dump_for_openapi())
     # The flags CI passes (infra/ci_team_mode.sh) land in the spec, over the YAML's values.
     params = flow_parameters(deps["nightly-parity"]["parameters"], ["preset=micro", "seeds=[0]", "steps=4", 'references=["recompute"]'])
     assert params["spec"]["preset"] == "micro" and params["spec"]["references"] == ["recompute"]
