@@ -33,7 +33,7 @@ if "PREFECT_HOME" not in os.environ:
 
 
 # Skips that mean CI set itself up wrong: .ci/run installs PostgreSQL, DeepSpeed and the pretrained
-# model's package (make setup-smol), and has the benchmark files in ../shared/data beside the clone,
+# model's package (make setup-smol), and has the benchmark files beside the clone (shared_data_dir),
 # so there (A3PO_CI=1) these fail instead of passing silently as skipped. Matched on the skip's reason.
 DATA_MISSING = "real benchmark files not found at"
 CI_MUST_NOT_SKIP = ("PostgreSQL server binaries not found", "DeepSpeed is not installed", SMOL_INSTALL_HINT, DATA_MISSING)
