@@ -26,7 +26,7 @@ VLLM_VENV ?= .venv-vllm
 TRL_VENV ?= .venv-trl
 TRL_PPO_VENV ?= .venv-trl-ppo
 
-.PHONY: setup demo demo-real test test-slow test-gpu test-ui test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
+.PHONY: setup demo demo-real test test-e2e test-slow test-gpu test-ui test-multiprocess lint test-vllm setup-vllm setup-trl setup-trl-ppo setup-smol test-smol bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# The end-to-end fault and flow runs (marker e2e): real processes and servers, half a minute or more
+# each; kept out of the fast tier so that it stays within minutes, run by CI (.ci/run).
+test-e2e: setup
+	$(BIN)/python -m pytest -q -m e2e
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

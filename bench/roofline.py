@@ -22,6 +22,14 @@ an update and a decode achieve, alone and overlapped.
    pinned one core each, each phase alone on its core and then both at once; a phase's time is the
    median of its reps that ran wholly while the other phase ran too.
 
+5. Vocabulary (the work over the head's ``V`` entries, side by side in one run): the trainer's log-prob and
+   entropy of ``--batch`` x ``--response-len`` positions, forward + backward from the logits (in the
+   precision's logits dtype), as the full fp32 log-softmax (``sampling_log_softmax``, the path of a top-p
+   below 1) and as ``picked_logprobs``' chunks (what the trainer runs); and one decode step's draw of
+   ``--batch`` tokens, as the engine's ``torch.multinomial`` (one exponential per vocabulary entry) and as
+   :func:`inverse_cdf_draw` (one uniform number per row), a candidate the engine does not use: it would
+   change every run's random stream. Median milliseconds of ``--reps``.
+
 Percent of peak is against the peak of the phase's matmul precision (fp32 or bf16) on the same threads
 (the overlap: on one thread). Prints a table, then as the very last line one JSON object.
 """
@@ -42,7 +50,7 @@ import torch
 from a3po.data.arithmetic import WORDS
 from a3po.devices import cpu_native_bf16, set_autocast
 from a3po.models.factory import count_parameters, empty_like, load_model
-from a3po.models.logprobs import token_logprobs
+from a3po.models.logprobs import picked_logprobs, sampling_log_softmax, token_logprobs
 from a3po.placement.cores import usable_core_ids
 from a3po.rollout.torch_engine import RolloutEngine
 from a3po.rollout.types import SamplingParams
@@ -164,6 +172,47 @@ def _timed(fn, reps: int) -> tuple[float, list]:
         fn_out.append(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times), fn_out[1:]
+
+
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row of the categorical ``probs`` ``(n, V)`` from its uniform ``u`` ``(n, 1)`` in
+    ``[0, 1)``: the first ``i`` with ``C_i > u C_V``, ``C_i = p_1 + ... + p_i`` (kept below ``C_V``)."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
+
+
+def vocabulary(args, vocab: int, precision: str) -> dict[str, float]:
+    """Milliseconds of the work over the vocabulary (module docstring, 5), each way, median of ``args.reps``."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.batch, args.response_len, vocab, generator=gen).to(PRECISIONS[precision])
+    targets = torch.randint(vocab, (args.batch, args.response_len), generator=gen)
+
+    def full() -> None:
+        x = logits.detach().requires_grad_()
+        logp_all = sampling_log_softmax(x, 0.7)
+        picked = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        with torch.no_grad():
+            p = logp_all.exp()
+            -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+        picked.sum().backward()
+
+    def chunked() -> None:
+        x = logits.detach().requires_grad_()
+        picked, _ = picked_logprobs(x, targets, 0.7, return_entropy=True)
+        picked.sum().backward()
+
+    probs = torch.softmax(logits[:, 0].float(), dim=-1)
+    out = {}
+    for name, fn in (
+        ("logprob_full_ms", full),
+        ("logprob_chunked_ms", chunked),
+        ("sample_multinomial_ms", lambda: torch.multinomial(probs, 1, generator=gen)),
+        ("sample_inverse_cdf_ms", lambda: inverse_cdf_draw(probs, torch.rand((args.batch, 1), generator=gen))),
+    ):
+        out[name] = 1e3 * _timed(fn, args.reps)[0]
+    return out
 
 
 def _phase_worker(args_dict: dict, phase: str, precision: str, core: int, start, done, out) -> None:
@@ -299,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "tokens_per_s": tokens / s,
             }
     set_autocast(model, False)
+    vocab = {p: vocabulary(args, shape.vocab, p) for p in precisions}
     for phase, entries in phases.items():
         for key, r in entries.items():
             prec = key.split("/")[0]
@@ -351,6 +401,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{r['what']:<30} {r['flops'] / 1e9:>9.1f} {r['s']:>8.3f} {r['gflops']:>9.1f} {r['pct_peak']:>6.1f}% {tps}"
         )
+    print(f"\nvocabulary ({shape.vocab} entries), ms, median of {args.reps}: {args.batch} x {args.response_len} "
+          f"positions' log-prob + entropy, forward + backward; one draw of {args.batch} tokens")
+    head = f"{'logits dtype':<14} {'full log-softmax':>17} {'chunked':>9} {'ratio':>6} {'multinomial':>12} {'inverse CDF':>12} {'ratio':>6}"
+    print(head + "\n" + "-" * len(head))
+    for p, v in vocab.items():
+        print(f"{p:<14} {v['logprob_full_ms']:>17.1f} {v['logprob_chunked_ms']:>9.1f} "
+              f"{v['logprob_full_ms'] / v['logprob_chunked_ms']:>5.2f}x {v['sample_multinomial_ms']:>12.2f} "
+              f"{v['sample_inverse_cdf_ms']:>12.2f} {v['sample_multinomial_ms'] / v['sample_inverse_cdf_ms']:>5.1f}x")
     if "skipped" in ov:
         print(f"\noverlap: skipped ({ov['skipped']})")
     else:
@@ -383,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         "update": phases["update"],
         "decode": phases["decode"],
         "overlap": ov,
+        "vocabulary": vocab,
         "command": "python -m bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(json.dumps(summary))

@@ -213,7 +213,9 @@ def variant_config(base: TrainConfig, arm: Arm, seed: int, variant_overrides: di
     """The config of one arm (tasks.arms) and seed; ``variant_overrides`` keyed by the variant
     apply to all its arms, keyed by an arm's name to that one."""
     vo = variant_overrides or {}
-    own = {} if arm.name == arm.variant.value else vo.get(arm.name, {})
+    # Keys read as names are (``loglinear+s2`` is written ``loglinear``: the default bound is left out).
+    by_name = {Arm.parse(k).name: v for k, v in vo.items() if k != arm.variant.value}
+    own = by_name.get(arm.name, {})
     return arm.config(base, seed, {**vo.get(arm.variant.value, {}), **own})
 
 

@@ -4,6 +4,7 @@
     python -m flows.compare_variants --preset micro       # seconds: plumbing only, nothing learns
     python -m flows.compare_variants --variants loglinear,recompute --seeds 0,1 --steps 60
     python -m flows.compare_variants --variants loglinear --oppo off,inter --set data.long_tail_frac=0.25 --set rl.max_new_tokens=64
+    python -m flows.compare_variants --variants loglinear+s1,loglinear+s4,loglinear+adaptive-s8 --set rl.schedule=threaded
 
 The pipeline, one line per task:
 
@@ -60,8 +61,9 @@ class CompareSpec(ComparisonSpec):
     # parameters from this file without importing it, where the docstrings cannot be found.
     benchmarks: list[str] = Field(default_factory=lambda: list(BENCHMARKS), description=(
         "Benchmarks evaluated on the step-0 and each final checkpoint (gsm8k, math500, aime24)."))
-    variants: list[Variant] = Field(default_factory=lambda: list(Variant), min_length=1, description=(
-        "The variants compared: any of sync, recompute, loglinear."))
+    variants: list[Arm] = Field(default_factory=lambda: [Arm(variant=v) for v in Variant], min_length=1, description=(
+        "The variants compared: any of sync, recompute, loglinear, or arms by name (loglinear+s4: fixed staleness bound 4; "
+        "loglinear+adaptive: rl.staleness_control adaptive; loglinear+oppo-inter)."))
     oppo: list[OppoMode] | None = Field(default=None, description=(
         "OPPO modes compared like the variants: each variant once per mode, as the arm `VARIANT` (off) or "
         "`VARIANT+oppo-MODE`; None: as the config says. A mode the config cannot run (intra on the GRPO path) "
@@ -79,7 +81,7 @@ class CompareSpec(ComparisonSpec):
 def check_arms(spec: CompareSpec, base: TrainConfig) -> list[Arm]:
     """The arms as the configs they build (:meth:`tasks.arms.Arm.of`); an unknown name or an
     unsupported combination (e.g. OPPO intra on the GRPO path) raises here, naming the field."""
-    arms = expand_arms([v.value for v in spec.variants], spec.oppo, spec.placements)
+    arms = expand_arms(list(spec.variants), spec.oppo, spec.placements)
     return list(dict.fromkeys(Arm.of(variant_config(base, a, spec.seeds[0], spec.variant_overrides)) for a in arms))
 
 
@@ -99,7 +101,7 @@ def compare_variants(spec: CompareSpec = CompareSpec()) -> dict[str, Any]:  # no
     launched = launch_for_config(spec.launch_spec(), base)  # the ZeRO stage the ranks will run, for the record
     arms = check_arms(spec, base)
     out = spec.output_folder()
-    flow_values = dict(preset=spec.preset, variants=[v.value for v in spec.variants], oppo=spec.oppo, placements=spec.placements,
+    flow_values = dict(preset=spec.preset, variants=[a.name for a in spec.variants], oppo=spec.oppo, placements=spec.placements,
                        seeds=spec.seeds, benchmarks=spec.benchmarks, bench_limit=spec.bench_limit, data_dir=spec.data_dir,
                        target_fraction=spec.target_fraction, smooth_frac=spec.smooth_frac, variant_overrides=spec.variant_overrides)
     launch_tags, launch_param = launch_params(launched)
@@ -147,7 +149,10 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 def build_parser(prog: str = "python -m flows.compare_variants") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of sync,recompute,loglinear")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help="comma-separated subset of sync,recompute,loglinear, or arms by name: loglinear+s4 (fixed staleness bound 4), "
+                         "loglinear+adaptive[-s8] (rl.staleness_control adaptive, within [1, rl.max_staleness or 8]; it runs the "
+                         "threaded schedule: compare fixed bounds with --set rl.schedule=threaded)")
     ap.add_argument("--oppo", default=None, metavar="MODES",
                     help=f"comma-separated OPPO modes ({','.join(OPPO_MODES.names())}) compared like the variants: one arm per "
                          "variant and mode, e.g. off,inter runs loglinear and loglinear+oppo-inter (default: as the config says)")

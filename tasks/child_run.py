@@ -49,6 +49,7 @@ def config_hash(cfg: TrainConfig) -> str:
     d.pop("output_dir", None)
     d.pop("update_threads", None)  # results do not depend on it (a3po.placement.cores); run folders keep their names
     d["rl"].pop("log_completions", None)  # what is logged, not what is trained; run folders keep their names
+    d["rl"].pop("eval_mode", None)  # where the held-out figures are computed, not what they are
     for key, section, default in (("generate_threads", d, 1), ("rollout_cores", d.get("distributed", {}), 0)):
         if section.get(key, default) == default:  # fields added later: at their default, the folders of earlier runs keep their names
             section.pop(key, None)

@@ -227,11 +227,13 @@ def judge(claim: Claim, m: Measurement) -> tuple[str, str]:
 
 def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
     """The comparison's rows per placement (a3po.config.axes.PLACEMENTS), each named by its arm
-    without the placement, so a claim compares variants that generated in the same place."""
+    without the placement and the staleness bound (the claims' arms share the comparison's bound), so a
+    claim compares variants that generated in the same place."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         arm = Arm.parse(row["variant"])
-        groups.setdefault(arm.placement or "colocated", []).append({**row, "variant": arm.model_copy(update={"placement": None}).name})
+        bare = arm.model_copy(update={"placement": None, "staleness_control": None, "max_staleness": None})
+        groups.setdefault(arm.placement or "colocated", []).append({**row, "variant": bare.name})
     return groups
 
 

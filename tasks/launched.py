@@ -24,7 +24,7 @@ from tasks.arms import Arm
 from tasks.child_run import log_final, log_tables, open_child_run, run_topology, topology_tags, write_history
 from tasks.launch import LaunchRecord, launch_ranks
 from tasks.runtime import run_logger
-from tasks.tracking import MlflowMetricLogger, TrackingRef, client_for, last_logged_step, log_params
+from tasks.tracking import MlflowMetricLogger, TrackingRef, client_for, last_logged_step, log_params, metric_steps
 from tasks.training import RunRecord, WarmStart
 
 
@@ -104,8 +104,10 @@ def prepare_launched_run(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, t
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, float]]:
-    """Per-step metrics (steps 1..N) from the CLI's metrics.jsonl; a step logged twice (a
-    resumed run appends) keeps its last line. Errors name the file and line."""
+    """Per-step metrics (steps 1..N) from the CLI's metrics.jsonl. The lines of one step are merged,
+    a later line's values winning: a background held-out evaluation logs its figures after the
+    step's line (a3po.training.evaluations), and a resumed run may append a step again. Errors name
+    the file and line."""
     by_step: dict[int, dict[str, float]] = {}
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -116,7 +118,7 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, float]]:
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{i}: not a metrics line ({e})") from None
         if step >= 1:
-            by_step[step] = row
+            by_step.setdefault(step, {}).update(row)
     missing = sorted(set(range(1, max(by_step, default=0) + 1)) - set(by_step))
     if missing:
         raise ValueError(f"{path}: steps {missing[:10]} missing")
@@ -138,7 +140,8 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
     history_path = write_history(rd, history)
     if run_id is not None:
         client = client_for(tracking.tracking_uri)
-        logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id))
+        logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id),
+                                    late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc"))
         logger.ensure_history(history)
         logger.close()  # ships the back-fill, stops the shipper thread
         log_final(client, run_id, history, final_acc, **{"launch/wall_s": launched.wall_s})

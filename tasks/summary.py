@@ -13,8 +13,9 @@ Definitions (also in docs/pipeline.md):
 - **time to target**: ``time/train_wall_s`` (trainer wall clock: rollout wait + update, without
   evaluation) at the first step whose smoothed reward reaches the target; a variant's figure is
   the mean over its seeds, reported only when every seed got there.
-- **rows** are arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), compared
-  like variants; an OPPO arm is also compared with its variant's OPPO-off row.
+- **rows** are arms (tasks.arms): a variant, or ``<variant>+oppo-<mode>`` (OPPO on), or with a
+  staleness bound (``+s<N>``, ``+adaptive``), compared like variants; an OPPO arm is also compared
+  with its variant's OPPO-off row; an asynchronous baseline (recompute) is taken at the row's bound.
 - **step time**: the trainer's period per step, rollout wait + update (``perf/wait_time_s +
   perf/step_time_s``): what a step costs the run, whether the trainer waited for generation (sync)
   or generation ran beside it. ``train (s/step)`` is the update alone.
@@ -77,8 +78,15 @@ def time_to_target(history: Sequence[dict[str, float]], target: float, smooth_fr
 
 
 def read_history(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a history or metrics JSONL file in order, the lines of one ``step`` merged into
+    one row (a background held-out evaluation logs its figures after its step's line)."""
+    rows: dict[object, dict[str, float]] = {}
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for i, line in enumerate(f):
+            if line.strip():
+                row = json.loads(line)
+                rows.setdefault(row.get("step", ("line", i)), {}).update(row)
+    return list(rows.values())
 
 
 def _mean(xs: Sequence[float | None]) -> float | None:
@@ -123,9 +131,12 @@ def arm_of(record: dict[str, Any]) -> str:
 
 def baselines_of(arm: Arm) -> list[Arm]:
     """What a row is compared with, in its own placement: sync and recompute, and for an OPPO arm
-    its variant with OPPO off."""
-    own = [Arm(variant=arm.variant)] if arm.oppo not in (None, "off") else []
-    return list(dict.fromkeys(b.within(arm) for b in [*(Arm.parse(b) for b in BASELINES), *own]))
+    its variant with OPPO off. An asynchronous baseline runs at the row's staleness bound
+    (``loglinear+s4`` against ``recompute+s4``); sync has none."""
+    bound = {"staleness_control": arm.staleness_control, "max_staleness": arm.max_staleness}
+    own = [Arm(variant=arm.variant, **bound)] if arm.oppo not in (None, "off") else []
+    bases = [b.model_copy(update=bound) if b.variant.is_async else b for b in (Arm.parse(b) for b in BASELINES)]
+    return list(dict.fromkeys(b.within(arm) for b in [*bases, *own]))
 
 
 def _max(xs: Sequence[float | None]) -> float | None:

@@ -243,9 +243,11 @@ class MlflowMetricLogger:
     metrics (the warning tells the user where they are safe).
 
     ``skip_through_step``: steps at or below it are already in the run (a retried task resumes
-    a child run) and are not logged again. :meth:`ensure_history` back-fills any step of a
-    finished history that never reached the run (the steps a resumed run restored from its
-    checkpoint), so every child run holds the complete per-step record.
+    a child run) and are not logged again, except the figures that can arrive after their step
+    (:data:`LATE_PREFIX`: a background held-out evaluation, or one a resumed run re-runs) at a step
+    outside ``late_steps_logged`` (:func:`metric_steps` of ``eval/heldout_acc``: where the run has them).
+    :meth:`ensure_history` back-fills any step of a finished history that never reached the run (the
+    steps a resumed run restored from its checkpoint), so every child run holds the complete per-step record.
     """
 
     def __init__(
@@ -255,6 +257,7 @@ class MlflowMetricLogger:
         flush_every_s: float = 5.0,
         max_buffer: int = MAX_METRICS_PER_BATCH,
         skip_through_step: int = -1,
+        late_steps_logged: frozenset[int] = frozenset(),
         kept_in: str | None = None,
         warn=None,
         retry_max_s: float = 30.0,
@@ -262,7 +265,7 @@ class MlflowMetricLogger:
     ) -> None:
         self.client, self.run_id = client, run_id
         self.flush_every_s, self.max_buffer = flush_every_s, max_buffer
-        self.skip_through_step = skip_through_step
+        self.skip_through_step, self.late_steps_logged = skip_through_step, frozenset(late_steps_logged)
         self.kept_in, self.retry_max_s, self.drain_timeout_s = kept_in, retry_max_s, drain_timeout_s
         self._warn = warn or logging.getLogger("a3po.tracking").warning
         self.logged_steps: set[int] = set()
@@ -285,7 +288,10 @@ class MlflowMetricLogger:
         from mlflow.entities import Metric
 
         if step <= self.skip_through_step:
-            return
+            late = step not in self.late_steps_logged
+            metrics = {k: v for k, v in metrics.items() if late and k.startswith(LATE_PREFIX)}
+            if not metrics:
+                return
         _check_keys(metrics)
         ts = int(time.time() * 1000)
         with self._cond:
@@ -310,9 +316,9 @@ class MlflowMetricLogger:
         n = 0
         for i, metrics in enumerate(history):
             step = first_step + i
-            if step not in self.logged_steps and step > self.skip_through_step:
-                self.log_metrics(metrics, step)
-                n += 1
+            if step not in self.logged_steps and (step > self.skip_through_step or step not in self.late_steps_logged):
+                self.log_metrics(metrics, step)  # at or below skip_through_step: its late figures only
+                n += int(step in self.logged_steps)
         self.flush()
         return n
 
@@ -397,6 +403,16 @@ class MlflowMetricLogger:
 
 def _clock(t: float | None) -> str:
     return "?" if t is None else dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# The metrics the training loop may log after the step they belong to (rl.eval_mode: background; a resumed
+# run evaluating its checkpoint's pending version): a retried task's logger lets them through at an old step.
+LATE_PREFIX = "eval/"
+
+
+def metric_steps(client, run_id: str, key: str) -> frozenset[int]:
+    """The steps at which run ``run_id`` holds metric ``key``."""
+    return frozenset(m.step for m in client.get_metric_history(run_id, key))
 
 
 def last_logged_step(client, run_id: str, key: str = "reward/mean") -> int:

@@ -45,7 +45,7 @@ from tasks.child_run import (
     write_history,
 )
 from tasks.runtime import run_logger
-from tasks.tracking import MlflowMetricLogger, TrackingRef, TrackingUnavailable, client_for, short_client_retries
+from tasks.tracking import MlflowMetricLogger, TrackingRef, TrackingUnavailable, client_for, metric_steps, short_client_retries
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def _train_locked(
         run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
         client = client_for(tracking.tracking_uri)
         shipper = MlflowMetricLogger(
-            client, run_id, skip_through_step=done, kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s
+            client, run_id, skip_through_step=done, late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc") if done else frozenset(),
+            kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s,
         )
         logger = FanoutLogger(local, shipper)
         monitor = start_system_metrics(run_id, tracking.tracking_uri, system_metrics_interval_s, done > 0, log)

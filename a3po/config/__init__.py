@@ -49,6 +49,7 @@ from a3po.config.schema import (
     effective_max_staleness,
     mid_batch_updates,
     proximal_method_name,
+    staleness_settings,
 )
 
 __all__ = [
@@ -56,6 +57,6 @@ __all__ = [
     "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig",
     "RolloutConfig", "RunPlan", "TrainConfig", "Variant", "WarmStartConfig", "config_differences", "config_from_dict",
     "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness", "load_config", "load_yaml",
-    "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "warmstart_key",
-    "with_overrides",
+    "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "staleness_settings",
+    "warmstart_key", "with_overrides",
 ]

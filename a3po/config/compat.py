@@ -40,7 +40,7 @@ def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
 # (Where rollouts are generated neither: the deterministic schedule makes the same samples.)
 RESUME_NEUTRAL_FIELDS = ("output_dir", "torch_threads", "update_threads", "generate_threads",
                          "distributed.rollout_workers",
-                         "distributed.rollout_cores", "rl.log_completions")
+                         "distributed.rollout_cores", "rl.log_completions", "rl.eval_mode")
 
 
 # Fields added with a default that computes differently from the code before them: a saved

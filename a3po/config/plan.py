@@ -24,6 +24,7 @@ from typing import Literal
 
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import trainer_logp_source
+from a3po.algorithms.staleness import STALENESS_CONTROLS
 from a3po.config.axes import Placement, placement_of
 from a3po.config.schema import TrainConfig, Variant, effective_max_staleness, proximal_method_name
 from a3po.devices import DType, Precision, resolve_precision
@@ -35,9 +36,16 @@ class RunPlan:
 
     variant: Variant
     max_staleness: int
-    """The staleness bound in force: ``rl.max_staleness`` for the asynchronous variants, 0 for sync
-    (the producer never runs ahead of the trainer). Admission, the deterministic schedule, the
-    versions a store keeps and a checkpoint's weight history all follow it."""
+    """The staleness bound: ``rl.max_staleness`` for the asynchronous variants, 0 for sync (the
+    producer never runs ahead of the trainer); where the bound moves mid-run (``staleness_control``
+    'adaptive', the guard's 'tighten') the largest it may take. Admission, the deterministic schedule,
+    the versions a store keeps and a checkpoint's weight history all follow it."""
+    staleness_control: str
+    """``rl.staleness_control`` (:data:`a3po.algorithms.staleness.STALENESS_CONTROLS`): whether the bound
+    in force moves within ``[1, max_staleness]`` after each step ('adaptive') or stays ('fixed')."""
+    start_bound: int
+    """The bound of the run's first admissions (:meth:`a3po.algorithms.staleness.StalenessControl.start`):
+    ``max_staleness`` when fixed, 1 when adaptive."""
     proximal: str
     """The proximal method's name in :data:`a3po.algorithms.proximal.PROXIMAL_METHODS`: ``rl.proximal``,
     or the variant's own (sync: behaviour, recompute: recompute, loglinear: loglinear)."""
@@ -93,6 +101,8 @@ class RunPlan:
         return cls(
             variant=rl.variant,
             max_staleness=bound,
+            staleness_control=rl.staleness_control,
+            start_bound=STALENESS_CONTROLS.get(rl.staleness_control).start(bound),
             proximal=proximal,
             proximal_forward=method.needs_forward,
             trainer_logp=source,

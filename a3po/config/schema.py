@@ -4,7 +4,7 @@ effective staleness bound of a variant) are functions, never written back into t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Literal
 
@@ -13,6 +13,7 @@ from a3po.algorithms.guard import GUARD_POLICIES
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, CorrectionSettings
+from a3po.algorithms.staleness import STALENESS_CONTROLS, StalenessSettings
 from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, PromptFormat, TaskName
 from a3po.devices import Device, DType
 
@@ -263,9 +264,10 @@ class RLConfig:
     """Steps between two exact checks of an approximate proximal anchor (loglinear; ``a3po.algorithms.guard``):
     every ``guard_every``-th step recomputes the proximal log-probs of one minibatch's rows (one no-grad
     forward of ``1 / minibatches`` of the batch) and logs the approximation's error (``guard/*``). 0: off."""
-    guard_max_err: float = 0.1
+    guard_max_err: float = 1.0
     """The guard fires when the p99 over the checked tokens of |approximate - exact| proximal log-prob
-    (nats) exceeds this..."""
+    (nats) exceeds this (a healthy ``tiny`` run at bound 4 stays at 0.0-0.3 with rare steps near 0.9, a
+    drifting one passes 3.7; docs/variants.md)..."""
     guard_max_iw: float = 5.0
     """... or the p99 of the exact behaviour weight pi_prox / pi_behav exceeds this."""
     guard_policy: str = "warn"
@@ -273,6 +275,24 @@ class RLConfig:
     reason), 'tighten' (lower the staleness bound in force by one, not below 1, for the batches not yet
     admitted; needs rollouts in process and ``schedule: threaded``), 'recompute' (train that step on the
     recomputed anchor: one full-batch forward on that step)."""
+    staleness_control: str = "fixed"
+    """How the staleness bound in force is chosen (``a3po.algorithms.staleness.STALENESS_CONTROLS``): 'fixed'
+    (``max_staleness`` for the whole run; only the guard's 'tighten' lowers it) or 'adaptive' (starts at 1 and
+    moves by one within [1, ``max_staleness``] after each step: up while the trainer waits for its batches and
+    the behaviour weights have room, down when their p99 or the guard's error crosses its bound; needs
+    rollouts in process and ``schedule: threaded``; the rule: docs/variants.md)."""
+    staleness_idle_frac: float | None = None
+    """adaptive: the trainer's idle fraction (its wait for the batch over its step period) above which a step
+    asks for a higher bound, in (0, 1). null: 0.1."""
+    staleness_max_iw: float | None = None
+    """adaptive: the p99 of the behaviour weight pi_prox / pi_behav (``stability/behav_iw_p99``) above which a
+    step asks for a lower bound, > 1. null: 2 (1% of the tokens weigh more than double)."""
+    staleness_raise_iw: float | None = None
+    """adaptive: the p99 of that weight at or below which an idle step may ask for a higher bound, in
+    [1, ``staleness_max_iw``]; between the two nothing moves. null: 1.5."""
+    staleness_patience: int | None = None
+    """adaptive: steps in a row a signal must hold, counted from the bound's last change, before the bound
+    moves, >= 1. null: 2."""
     max_new_tokens: int = 24
     temperature: float = 0.7
     top_p: float = 1.0
@@ -303,6 +323,15 @@ class RLConfig:
     eval_samples: int = 4
     """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
     eval_every: int = 50
+    eval_mode: Literal["inline", "background"] = "inline"
+    """Where the held-out evaluation of every ``eval_every``-th version runs (``a3po.training.evaluations``):
+    'inline' (the trainer's thread: the next update, and rollouts waiting for a new version, wait for it)
+    or 'background' (a thread evaluates a snapshot of the version while training goes on: the same
+    figures, logged at the version's step; a checkpoint waits for those of earlier versions and
+    records its own step's as pending, which a resume from it evaluates first; the last step
+    evaluates its version in the trainer's thread).
+    Background needs one trainer process (no ``distributed.deepspeed_config``). The warm start's
+    evaluation is inline either way."""
     log_completions: int = 16
     """Rows of the completion table written at each held-out evaluation (half from the batch just
     trained on, with rewards, staleness and versions; half greedy held-out answers:
@@ -350,6 +379,8 @@ class RLConfig:
             raise ValueError("rl.eval_samples must be >= 1")
         if self.eval_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("rl.eval_every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
+        if self.eval_mode not in ("inline", "background"):
+            raise ValueError(f"rl.eval_mode must be 'inline' or 'background', got {self.eval_mode!r}")
         if not 0 <= self.log_completions <= 1000:
             raise ValueError("rl.log_completions must be in [0, 1000] (rows per completion table; 0: none), "
                              f"got {self.log_completions}")
@@ -363,6 +394,7 @@ class RLConfig:
             except KeyError as e:  # the registry lists the valid names; say which field held it
                 raise KeyError(f"rl.{name}: {e.args[0]}") from None
         self._check_guard()
+        self._check_staleness_control()
         if PROXIMAL_METHODS.get(self.proximal or self.variant.proximal_method).single_update and self.minibatches > 1:
             # After the first update the training forward no longer runs on the step-start weights.
             raise ValueError(f"rl.proximal {proximal_method_name(self)!r} reads the training forward's log-probs, "
@@ -395,6 +427,43 @@ class RLConfig:
         if effective_max_staleness(self) == 0:
             raise ValueError(f"rl.guard_every is set but rl.variant {self.variant.value!r} trains on-policy "
                              "(staleness bound 0): there is no approximation to check")
+
+    def _check_staleness_control(self) -> None:
+        try:
+            control = STALENESS_CONTROLS.get(self.staleness_control)
+        except KeyError as e:
+            raise KeyError(f"rl.staleness_control: {e.args[0]}") from None
+        knobs = {"idle_frac": self.staleness_idle_frac, "max_iw": self.staleness_max_iw,
+                 "raise_iw": self.staleness_raise_iw, "patience": self.staleness_patience}
+        given = [f"rl.staleness_{k}" for k, v in knobs.items() if v is not None]
+        if given and not control.adapts:
+            raise ValueError(f"rl.staleness_control {self.staleness_control!r} does not read {', '.join(given)} (the "
+                             "bound stays rl.max_staleness): set rl.staleness_control adaptive, or leave it null")
+        s = staleness_settings(self)
+        if not 0 < s.idle_frac < 1:
+            raise ValueError(f"rl.staleness_idle_frac must be in (0, 1), got {s.idle_frac}")
+        if not s.max_iw > 1:
+            # The weight of every on-policy token is 1: a bound at or below it lowers on every step.
+            raise ValueError(f"rl.staleness_max_iw must be > 1, got {s.max_iw}")
+        if not 1 <= s.raise_iw <= s.max_iw:
+            raise ValueError(f"rl.staleness_raise_iw must be in [1, rl.staleness_max_iw {s.max_iw:g}], "
+                             f"got {s.raise_iw}")
+        if s.patience < 1:
+            raise ValueError(f"rl.staleness_patience must be >= 1, got {s.patience}")
+        if not control.adapts:
+            return
+        if effective_max_staleness(self) == 0:
+            raise ValueError(f"rl.staleness_control 'adaptive' with rl.variant {self.variant.value!r} and "
+                             f"rl.max_staleness {self.max_staleness}: the bound is 0 (on-policy), there is nothing "
+                             "to adapt; use an asynchronous variant with rl.max_staleness >= 2")
+        if self.max_staleness == 1:
+            raise ValueError("rl.staleness_control 'adaptive' with rl.max_staleness 1: the bound moves within "
+                             "[1, rl.max_staleness], here nowhere; set rl.max_staleness >= 2 (the ceiling)")
+        if self.schedule == "deterministic":
+            # The schedule derives each batch's versions, and the store the versions it keeps, from the bound.
+            raise ValueError("rl.staleness_control 'adaptive' with rl.schedule 'deterministic': the schedule fixes "
+                             "each batch's weight versions, and the versions the store keeps, from rl.max_staleness "
+                             "for the whole run; use rl.schedule 'threaded'")
 
     def _check_rollout_correction(self) -> None:
         try:
@@ -490,6 +559,14 @@ def effective_max_staleness(rl: RLConfig) -> int:
 
 def proximal_method_name(rl: RLConfig) -> str:
     return rl.proximal or rl.variant.proximal_method
+
+
+def staleness_settings(rl: RLConfig) -> StalenessSettings:
+    """The adaptive bound's thresholds as configured, the defaults where null; the guard's error
+    bound is ``rl.guard_max_err``."""
+    given = {"idle_frac": rl.staleness_idle_frac, "max_iw": rl.staleness_max_iw, "raise_iw": rl.staleness_raise_iw,
+             "patience": rl.staleness_patience}
+    return replace(StalenessSettings(max_err=rl.guard_max_err), **{k: v for k, v in given.items() if v is not None})
 
 
 def correction_settings(rl: RLConfig) -> CorrectionSettings:
@@ -709,6 +786,11 @@ class TrainConfig:
                              "to send the trainer's log-probs back")
         if self.rl.guard_every and GUARD_POLICIES.get(self.rl.guard_policy).tightens:
             self._check_tighten()
+        if STALENESS_CONTROLS.get(self.rl.staleness_control).adapts and self.distributed.rollout_workers:
+            # Each worker process admits batches against its own copy of the bound; nothing sends it a new one.
+            raise ValueError("rl.staleness_control 'adaptive' with distributed.rollout_workers is not supported: each "
+                             "worker admits batches under its own copy of the bound, which the trainer cannot move; "
+                             "use rl.staleness_control 'fixed', or rollouts in process (distributed.rollout_workers 0)")
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set "
@@ -730,6 +812,13 @@ class TrainConfig:
             raise ValueError(f"rollout.engine {self.rollout.engine!r} with distributed.deepspeed_config "
                              "and no rollout workers: every trainer rank would start its own engine; run the engine in "
                              "distributed.rollout_workers")
+        if self.rl.eval_mode == "background" and self.distributed.deepspeed_config is not None:
+            # The snapshot is a copy of whole weights in one process; the figures reach every trainer rank.
+            raise ValueError("rl.eval_mode 'background' with distributed.deepspeed_config is not supported: under "
+                             "DeepSpeed the held-out figures are a collective of the trainer ranks (rank 0 evaluates, "
+                             "every rank receives them at the step) and ZeRO-3 partitions the weights a snapshot would "
+                             "copy; a background evaluation is a thread of one trainer process (rollout workers may "
+                             "run beside it). Use rl.eval_mode 'inline'")
 
     def _check_tighten(self) -> None:
         """Where the guard may lower the staleness bound mid-run: admission alone must enforce it."""

@@ -5,6 +5,7 @@ tokenizer loaded from a local path or hub name. The training and rollout code is
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -260,6 +261,17 @@ def empty_like(policy: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     if dtype is None and autocasts(policy):
         set_autocast(model, True)
     return model.to(dtype=model_dtype(policy) if dtype is None else dtype)
+
+
+def snapshot(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` as it is now, to read while ``model`` trains on (a background held-out
+    evaluation, :mod:`a3po.training.evaluations`): ``copy.deepcopy``, so the same class, forward and
+    marks (bf16 autocast, peft's adapter layers, tied weights), hence the same outputs bit for bit,
+    unlike a merge of LoRA's adapters into the base, which rounds differently. The trainable
+    parameters and the buffers are copied, the frozen parameters shared (nothing writes them: with
+    LoRA the copy costs the adapters alone); gradients are not copied."""
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo=frozen)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -61,16 +61,88 @@ def token_logprobs(
     start = max(1, min(start, length))
     with autocast_for(model):
         logits = response_logits(model, input_ids, attention_mask, start, share_prompt)
-    logp_all = sampling_log_softmax(logits, temperature, top_p)  # (B, L - start, V)
-    picked = logp_all.gather(-1, input_ids[:, start:, None]).squeeze(-1)
+    picked, ent = picked_logprobs(logits, input_ids[:, start:], temperature, top_p, return_entropy)
     logp = torch.cat([picked.new_zeros((picked.shape[0], start)), picked], dim=1)
     if not return_entropy:
         return logp
-    with torch.no_grad():
-        p = logp_all.exp()
-        ent = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
-        ent = torch.cat([ent.new_zeros((ent.shape[0], start)), ent], dim=1)
-    return logp, ent
+    return logp, torch.cat([ent.new_zeros((ent.shape[0], start)), ent], dim=1)
+
+
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log p(targets)`` under :func:`sampling_log_softmax` of ``logits`` ``(..., V)``, in fp32, and with
+    ``return_entropy`` the (no-grad) entropy ``H = -sum_v p_v log p_v`` of each position's distribution.
+
+    Without a nucleus (``top_p >= 1``) it runs :class:`_PickedLogProb`: ``log p(y) = z_y - logsumexp(z)``,
+    ``z = logits / T``, a few rows of the vocabulary at a time, so no ``(..., V)`` fp32 tensor (log-softmax,
+    probabilities, their gradient) is ever held whole; its backward rebuilds ``p`` from the saved logits:
+    ``d log p(y) / d z = onehot(y) - p``. With a nucleus: the full log-softmax (rows renormalised by top-p)."""
+    if top_p < 1.0:
+        logp_all = sampling_log_softmax(logits, temperature, top_p)
+        picked = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        if not return_entropy:
+            return picked, None
+        with torch.no_grad():
+            p = logp_all.exp()
+            return picked, -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+    scale = 1.0 / temperature if temperature > 0 else 1.0  # T = 0 (greedy) is scored as T = 1
+    shape = targets.shape
+    picked, ent = _PickedLogProb.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), scale,
+                                       return_entropy)
+    return picked.view(shape), (ent.view(shape) if return_entropy else None)
+
+
+# fp32 elements of one chunk of vocabulary rows (16 MiB): a few rows of a 49,152-entry vocabulary at a time.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+class _PickedLogProb(torch.autograd.Function):
+    """``(N, V)`` logits (any float dtype), ``(N,)`` targets -> fp32 ``log p(target)`` ``(N,)`` and the entropy
+    ``(N,)`` (``H = logsumexp(z) - sum_v p_v z_v``; zeros when not asked), ``z = logits * scale`` taken in fp32
+    a chunk of rows at a time. Saves the logits in their own dtype and the ``(N,)`` log-normalisers."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, scale: float, entropy: bool):
+        n = logits.shape[0]
+        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(picked)
+        ent = torch.zeros_like(picked)
+        for c in _row_chunks(logits):
+            z = _scaled(logits[c], scale)
+            lse[c] = torch.logsumexp(z, dim=-1)
+            picked[c] = z.gather(-1, targets[c, None]).squeeze(-1) - lse[c]
+            if entropy:
+                p = (z - lse[c, None]).exp_()
+                # 0 * -inf would be nan: a token the logits rule out (-inf) contributes nothing.
+                ent[c] = lse[c] - (p * z.clamp_min(torch.finfo(torch.float32).min)).sum(-1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(ent)
+        return picked, ent
+
+    @staticmethod
+    def backward(ctx, grad_picked: torch.Tensor, _grad_ent: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for c in _row_chunks(logits):
+            g = grad_picked[c, None]
+            gz = (_scaled(logits[c], ctx.scale) - lse[c, None]).exp_().mul_(-g)  # -p g
+            gz.scatter_add_(-1, targets[c, None], g)  # + onehot(y) g
+            grad[c] = gz.mul_(ctx.scale) if ctx.scale != 1.0 else gz
+        return grad, None, None, None
+
+
+def _row_chunks(logits: torch.Tensor) -> list[slice]:
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    return [slice(i, i + rows) for i in range(0, logits.shape[0], rows)]
+
+
+def _scaled(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """``logits * scale`` in fp32 (only read by the callers: fp32 logits come back as they are at scale 1)."""
+    z = logits.float()
+    if scale == 1.0:
+        return z
+    return z * scale if z is logits else z.mul_(scale)
 
 
 def response_logits(

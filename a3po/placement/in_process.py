@@ -59,12 +59,13 @@ def local_producer(
     return (OverlapProducer if oppo.inter else RolloutProducer)(
         engine,
         store,
-        Admission(store, s, batch_size, admitted=start * batch_size),
+        # The first admissions under the plan's start bound (adaptive: 1), moved later within [0, s].
+        Admission(store, inp.plan.start_bound, batch_size, admitted=start * batch_size, limit=s),
         PromptSampler(inp.train_rows, tok, rl.batch_prompts, rl.group_size, rl.seed, prompt_style(inp.cfg.data)),
         SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_p),
         score=inp.score,
         decode=lambda toks: tok.decode([t for t in toks if t != tok.eos_token_id], skip_special_tokens=True),
-        max_staleness=s,
+        max_staleness=inp.plan.start_bound,
         schedule=rl.schedule,
         seed=rl.seed,
         start=start,

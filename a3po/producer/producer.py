@@ -7,7 +7,9 @@ them, with a bound on how stale a sample may be.
   token records its own). The store keeps a version only while a batch not yet trained can read
   it (:class:`~a3po.producer.weight_store.Retention`).
 * :class:`Admission` is the staleness bound: never more samples admitted than
-  ``(max_staleness + version + 1) * batch_size``. ``max_staleness = 0`` is synchronous RL.
+  ``(max_staleness + version + 1) * batch_size``. ``max_staleness = 0`` is synchronous RL. Under
+  the threaded schedule the trainer may move the bound between steps (:meth:`RolloutProducer.set_bound`:
+  the guard's ``tighten``, ``rl.staleness_control: adaptive``).
 * Two schedules. ``threaded``: the producer free-runs (loads the newest weights whenever they
   appear). ``deterministic``: the same threads, but batch ``j`` always starts on version
   ``max(0, j - s)`` and switches to ``j - s + 1`` halfway through decoding, the point where the
@@ -50,23 +52,38 @@ DEFAULT_STYLE = PromptStyle()
 
 
 class Admission:
-    """Staleness bound by admission control, counted in samples."""
+    """Staleness bound by admission control, counted in samples. The bound in force,
+    ``max_staleness``, may move mid-run within ``[0, limit]`` (:meth:`set_bound`), ``limit`` being the
+    bound the run's store was built for (default: the starting bound)."""
 
-    def __init__(self, store: WeightStore, max_staleness: int, batch_size: int, admitted: int = 0) -> None:
+    def __init__(self, store: WeightStore, max_staleness: int, batch_size: int, admitted: int = 0,
+                 limit: int | None = None) -> None:
         self.store, self.max_staleness, self.batch_size = store, max_staleness, batch_size
+        self.limit = max_staleness if limit is None else limit
+        if not 0 <= max_staleness <= self.limit:
+            raise ValueError(f"staleness bound {max_staleness} outside [0, {self.limit}]")
         self.admitted = admitted
 
     def capacity(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_size
 
+    def set_bound(self, bound: int) -> None:
+        """The bound for every admission from now on, within ``[0, limit]``. Samples already admitted
+        stay. A waiting :meth:`admit` re-reads the bound under the store's lock: a lowered one at its
+        next check, a raised one at once (the waiters are woken: more samples may fit now)."""
+        with self.store.cond:
+            if not 0 <= bound <= self.limit:
+                raise ValueError(f"the staleness bound moves within [0, {self.limit}] (the bound the weight store "
+                                 f"was built for), got {bound}")
+            self.max_staleness = bound
+            self.store.cond.notify_all()
+
     def lower(self, bound: int) -> None:
-        """Lower the bound for every admission from now on (the guard's ``tighten``). Samples already
-        admitted stay; a waiting :meth:`admit` re-reads the bound, under the store's lock, at its next
-        check. Only lowering: a raised bound would need waiters woken, and no caller raises it."""
+        """Lower the bound for every admission from now on (the guard's ``tighten``); see :meth:`set_bound`."""
         with self.store.cond:
             if not 0 <= bound <= self.max_staleness:
                 raise ValueError(f"the staleness bound can only be lowered, from {self.max_staleness}, got {bound}")
-            self.max_staleness = bound
+            self.set_bound(bound)
 
     def admit(self, n: int) -> None:
         """Block until ``n`` more samples fit under the bound for the current version."""
@@ -272,14 +289,14 @@ class RolloutProducer(threading.Thread):
         except BaseException as e:  # surfaced in the trainer thread, with the traceback
             self.out.put(ProducerFailed(f"rollout producer failed: {e!r}\n{traceback.format_exc()}"))
 
-    def lower_bound(self, bound: int) -> None:
-        """Admit the batches not yet admitted under staleness bound ``bound`` (<= the current one).
-        The threaded schedule only: the deterministic one derives each batch's versions (and the
-        store the versions it keeps) from the bound it was built with."""
+    def set_bound(self, bound: int) -> None:
+        """Admit the batches not yet admitted under staleness bound ``bound`` (lower or higher than the
+        current one, within the admission's limit). The threaded schedule only: the deterministic one
+        derives each batch's versions (and the store the versions it keeps) from the bound it was built with."""
         if self.schedule != "threaded":
             raise RuntimeError("the staleness bound can change mid-run under rl.schedule 'threaded' only")
-        if bound < self.admission.max_staleness:
-            self.admission.lower(bound)
+        if bound != self.admission.max_staleness:
+            self.admission.set_bound(bound)
             self.max_staleness = bound
 
     def stop(self) -> None:

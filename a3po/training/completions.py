@@ -150,14 +150,27 @@ class CompletionTables:
             table_path(self.folder, s).unlink(missing_ok=True)
         return gone
 
+    def training_rows(self, step: int, scored) -> list[dict[str, Any]]:
+        """The ``source: "train"`` rows of step ``step``'s table, of ``scored`` (the batch trained
+        at version ``step - 1``): plain JSON values, taken at the step, so that they can wait for
+        the held-out rows of an evaluation still running (in memory, or in the checkpoint of
+        ``step``: :class:`a3po.training.run_state.PendingEvaluation`)."""
+        return train_rows(scored, step - 1, split_rows(self.limit)[0], self.prompts, self.max_chars)
+
     def write(self, step: int, scored=None, heldout: tuple[list[str], list[float]] | None = None) -> Path:
         """The table of the evaluation after ``step`` updates: rows of ``scored`` (the batch
         trained at version ``step - 1``; None at step 0) and of ``heldout`` (the greedy answers
         and scores of version ``step``, one per held-out problem, in order)."""
-        n_train, n_held = split_rows(self.limit)
-        if scored is None:  # no training batch yet: the held-out rows take the whole table
-            n_train, n_held = 0, self.limit
-        rows = train_rows(scored, step - 1, n_train, self.prompts, self.max_chars) if scored is not None else []
+        return self.write_rows(step, None if scored is None else self.training_rows(step, scored), heldout)
+
+    def write_rows(self, step: int, training: list[dict[str, Any]] | None,
+                   heldout: tuple[list[str], list[float]] | None = None) -> Path:
+        """:meth:`write` with the training rows taken earlier (:meth:`training_rows`; None: no
+        training batch, at step 0)."""
+        n_held = split_rows(self.limit)[1]
+        if training is None:  # no training batch yet: the held-out rows take the whole table
+            training, n_held = [], self.limit
+        rows = list(training)
         if heldout is not None:
             rows += heldout_rows(self.heldout_data, *heldout, version=step, k=n_held, max_chars=self.max_chars)
         body = "".join(json.dumps({c: ({"step": step} | row).get(c) for c in COLUMNS}, ensure_ascii=False) + "\n"

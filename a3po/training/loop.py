@@ -17,7 +17,7 @@ from a3po.devices import model_device, native_bf16, set_autocast
 from a3po.grading.rewards import check_grader, score_completions
 from a3po.models.lora import load_trained_state, trained_state, with_lora
 from a3po.parallel.ranks import Ranks, init_ranks
-from a3po.parallel.updaters import Updater, make_updater, plain_model
+from a3po.parallel.updaters import Updater, make_updater
 from a3po.placement.cores import usable_cores
 from a3po.placement.in_process import RolloutInputs, weight_retention
 from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer
@@ -25,14 +25,15 @@ from a3po.producer.producer import RolloutProducer, ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.storage.checkpoint import save_checkpoint
 from a3po.training.completions import CompletionTables
+from a3po.training.evaluations import Evaluated, Evaluations, HeldOut
 from a3po.training.extensions import Extension, IntraCritic, ProducerCarryOver
 from a3po.training.guard import ApproximationGuard
-from a3po.training.heldout import heldout_evaluation
 from a3po.training.inputs import input_hashes
 from a3po.training.lr_schedule import learning_rate
 from a3po.training.metrics import MetricLogger, NullLogger, rewind_logger
 from a3po.training.ppo_parts import PPOParts, build_ppo_parts
-from a3po.training.run_state import RunState, resume
+from a3po.training.run_state import PendingEvaluation, RunState, resume
+from a3po.training.staleness import StalenessBound
 from a3po.training.step import train_step
 from a3po.training.threads import intra_op_threads
 
@@ -74,31 +75,6 @@ def save_rank_checkpoint(ckpt_dir: str, run: RunState, policy: torch.nn.Module, 
         return None
     state = {"policy": policy_state, "optimizer": optimizer_state, **run.to_checkpoint()}
     return str(save_checkpoint(ckpt_dir, run.step, state, keep=keep))
-
-
-class HeldOut:
-    """The held-out evaluation of the newest weights: rank 0 evaluates, every rank gets the
-    figures. A ZeRO-3 policy is evaluated through a plain copy of its weights (its partitioned
-    forward would wait for the other ranks' all-gathers)."""
-
-    def __init__(self, cfg: TrainConfig, policy: torch.nn.Module, tokenizer, rows: list[dict], updater: Updater,
-                 store: WeightStore, ranks: Ranks):
-        self.cfg, self.policy, self.tokenizer, self.rows = cfg, policy, tokenizer, rows
-        self.updater, self.store, self.ranks = updater, store, ranks
-        self._copy: torch.nn.Module | None = None
-        # the last evaluation's greedy answers and scores (rank 0)
-        self.greedy: tuple[list[str], list[float]] | None = None
-
-    def __call__(self) -> dict[str, float]:
-        return self.ranks.from_main(self._evaluate() if self.ranks.is_main else None)
-
-    def _evaluate(self) -> dict[str, float]:
-        model = self.policy
-        if self.updater.partitioned:
-            model = self._copy = plain_model(self.policy, self.store.get(self.store.latest), self._copy)
-        ev = heldout_evaluation(model, self.tokenizer, self.rows, self.cfg)
-        self.greedy = (ev.greedy, ev.greedy_scores)
-        return ev.figures
 
 
 @dataclass
@@ -149,6 +125,9 @@ def rl_train(
     ``rl.log_completions`` > 0, each held-out evaluation writes a completion table there
     (:mod:`a3po.training.completions`; tables of steps after the checkpoint are removed). With
     ``model.lora`` peft injects adapters into ``policy`` (:func:`a3po.models.lora.with_lora`) and only they train.
+    ``rl.eval_mode``: the held-out evaluations run in this thread or beside training, with the same
+    record (:mod:`a3po.training.evaluations`; a checkpoint may record its own step's as pending, and
+    a run resumed from it evaluates the restored weights first).
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
     alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
@@ -191,6 +170,7 @@ def rl_train(
         with updater.full_weights():  # the rollout copy reads full weights (gathered under ZeRO-3)
             store.publish(run.step, clone_state(policy))
     heldout = HeldOut(cfg, policy, tokenizer, heldout_rows, updater, store, ranks)
+    evaluations = Evaluations(heldout, background=rl.eval_mode == "background")
     if run.warmstart_acc is None:
         ws_eval = heldout()
         run.warmstart_acc = ws_eval["eval/heldout_acc"]
@@ -198,29 +178,37 @@ def rl_train(
         if tables is not None:
             tables.write(0, heldout=heldout.greedy)
     run.eval_curve = run.eval_curve or [(0, run.warmstart_acc)]
+    if run.pending_evaluation is not None:  # the checkpoint's own version was still being evaluated beside training
+        _record_evaluation(evaluations.resume(run.pending_evaluation), run.step, None, run, tables, logger)
+        run.pending_evaluation = None
     producer, extensions = _start_producer(cfg, plan, ppo, tokenizer, rollout_inputs, store, resumed, run.step, ranks)
     method = PROXIMAL_METHODS.get(plan.proximal)
     guard = ApproximationGuard(rl, plan.max_staleness) if rl.guard_every else None  # rl.guard_every: 0 is off
+    bound = StalenessBound(rl, plan, guard, ranks)  # the bound in force (rl.staleness_control), under the guard's
     producer.start()
     t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
     last_ckpt = run.path
     try:
         for step in range(run.step, rl.steps):
             metrics, scored = _train_next_batch(
-                step, policy, producer, updater, store, extensions, run, cfg, plan, method, ranks, ppo, guard)
-            if (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                held = heldout()
-                run.eval_curve.append((step + 1, held["eval/heldout_acc"]))
-                metrics.update(held)
-                if tables is not None:
-                    tables.write(step + 1, scored, heldout.greedy)
+                step, policy, producer, updater, store, extensions, run, cfg, plan, method, ranks, ppo, guard, bound)
+            last = step + 1 == rl.steps
+            checkpoint_due = bool(ckpt_dir) and ((step + 1) % rl.checkpoint_every == 0 or last)
+            eval_due = (step + 1) % rl.eval_every == 0 or last
+            rows = tables.training_rows(step + 1, scored) if eval_due and tables is not None else None
+            # rl.eval_mode: evaluated here, or started beside the next steps (a checkpoint records its own step's as
+            # pending); the earlier ones are collected before a checkpoint, all of them at the last step
+            finished, metrics["time/eval_wait_s"] = evaluations.after_step(
+                step + 1, rows, due=eval_due, settle=checkpoint_due or last, last=last)
+            for evaluated in finished:
+                _record_evaluation(evaluated, step + 1, metrics, run, tables, logger)
             run.history.append(metrics)
             run.step = step + 1
             logger.log_metrics(metrics, step + 1)
             if progress is not None:
                 progress(step + 1, metrics)
-            if ckpt_dir and ((step + 1) % rl.checkpoint_every == 0 or step + 1 == rl.steps):
-                snapshot = _snapshot(run, store, extensions, plan.max_staleness)
+            if checkpoint_due:
+                snapshot = _snapshot(run, store, extensions, plan.max_staleness, evaluations.pending())
                 saved = save_rank_checkpoint(ckpt_dir, snapshot, policy, updater, ranks, keep=rl.keep_checkpoints)
                 last_ckpt = saved or last_ckpt
     finally:
@@ -287,6 +275,7 @@ def _train_next_batch(
     extensions: list[Extension],
     run: RunState, cfg: TrainConfig, plan: RunPlan, method: ProximalMethod, ranks: Ranks, ppo: PPOParts,
     guard: ApproximationGuard | None = None,
+    bound: StalenessBound | None = None,
 ) -> tuple[dict[str, float], ScoredBatch]:
     """Wait for batch ``step``, update the policy on it, tell the extensions, publish version ``step + 1``;
     returns the step's metrics and the batch."""
@@ -299,8 +288,11 @@ def _train_next_batch(
     with intra_op_threads(plan.update_threads):  # every core where the producer idles meanwhile (sync)
         metrics = train_step(updater.model, updater, scored, step, cfg.rl, method, ranks, ppo,
                              trainer_logp=plan.trainer_logp, guard=guard)
-    if guard is not None and guard.policy.tightens:  # before version step + 1 is published (admission waits on it)
-        _lower_bound(producer, guard.bound)
+    if bound is not None:  # before version step + 1 is published (admission waits on it)
+        in_force = bound.bound
+        metrics.update(bound.after_step(step, metrics, wait))
+        if bound.bound != in_force:
+            _set_bound(producer, bound.bound)
     for ext in extensions:
         ext.after_update(step, scored)
     with updater.full_weights():
@@ -313,17 +305,37 @@ def _train_next_batch(
     return metrics, scored
 
 
-def _lower_bound(producer: Producer, bound: int) -> None:
-    """Hand the guard's lowered staleness bound to the producer's admission. Rollouts in process
-    only: the config refuses ``rl.guard_policy: tighten`` with rollout workers (their own admission)."""
+def _set_bound(producer: Producer, bound: int) -> None:
+    """Hand a moved staleness bound (the guard's ``tighten``, ``rl.staleness_control: adaptive``) to the
+    producer's admission. Rollouts in process only: the config refuses both with rollout workers
+    (their own admission)."""
     if not isinstance(producer, RolloutProducer):
         raise RuntimeError(f"the staleness bound of a {type(producer).__name__} cannot change mid-run "
-                           "(rl.guard_policy 'tighten' needs rollouts in process)")
-    producer.lower_bound(bound)
+                           "(rl.guard_policy 'tighten' and rl.staleness_control 'adaptive' need rollouts in process)")
+    producer.set_bound(bound)
 
 
-def _snapshot(run: RunState, store: WeightStore, extensions: list[Extension], lag: int) -> RunState:
+def _record_evaluation(ev: Evaluated, step: int, metrics: dict[str, float] | None, run: RunState,
+                       tables: CompletionTables | None, logger: MetricLogger) -> None:
+    """Record the held-out evaluation of version ``ev.version``, collected at the end of ``step``
+    (``metrics``: its line, not logged yet; None when resuming, ``step`` being the checkpoint's),
+    where an inline run has it: the eval curve, the completion table, and that step's metrics (a
+    version whose line is out: its history entry, and logged at its own step by a call of its own)."""
+    run.eval_curve.append((ev.version, ev.figures["eval/heldout_acc"]))
+    if tables is not None:
+        tables.write_rows(ev.version, [] if ev.train_rows is None else ev.train_rows, ev.greedy)
+    if metrics is not None and ev.version == step:
+        metrics.update(ev.figures)
+    else:
+        run.history[ev.version - 1].update(ev.figures)
+        logger.log_metrics(ev.figures, ev.version)
+
+
+def _snapshot(run: RunState, store: WeightStore, extensions: list[Extension], lag: int,
+              pending: PendingEvaluation | None) -> RunState:
     """``run`` as a checkpoint keeps it: with the policy versions the producer still needs to
-    regenerate the batches in flight, and the extensions' entries."""
+    regenerate the batches in flight, the extensions' entries, and the evaluation of its step
+    still running beside training (``pending``)."""
     ext_state = {k: v for ext in extensions for k, v in ext.state().items()}
-    return replace(run, weights_history=store.history(since=run.step - lag), extensions=ext_state)
+    return replace(run, weights_history=store.history(since=run.step - lag), extensions=ext_state,
+                   pending_evaluation=pending)

@@ -28,6 +28,13 @@ the step's batch, all minibatches together.
 ``staleness/tokens_<d>``                how many of the step's generated tokens were ``d``
                                         versions behind (d = 0 .. the step's max): the
                                         staleness histogram, summed over steps
+``staleness/bound``                     the staleness bound in force after this step (for the
+                                        batches admitted from now on): ``rl.max_staleness``
+                                        (fixed), moved by ``rl.staleness_control: adaptive``
+                                        and lowered by the guard's ``tighten``
+                                        (``a3po.training.staleness``); 0 for sync
+``staleness/bound_changed``             this step's move of that bound: +1, -1 or 0 (the
+                                        reason goes to the ``a3po.staleness`` log)
 ``prox/time_s``                         wall time to obtain proximal log-probs this step
 ``prox/approx_abs_err|approx_iw_err``   (``proximal: metrics``) mean |loglinear - recomputed|
                                         log-prob, and the mean |exp(difference) - 1| it puts
@@ -83,6 +90,11 @@ the step's batch, all minibatches together.
                                         generation overlaps training
 ``time/train_wall_s``                   trainer wall clock so far: rollout waits + steps,
                                         evaluations excluded (time to target reads it)
+``time/eval_wait_s``                    seconds this step spent on held-out evaluations
+                                        after its update: the whole evaluation inline; the
+                                        snapshot and any wait for a running one with
+                                        ``rl.eval_mode: background``
+                                        (``a3po.training.evaluations``); 0 on other steps
 ``version``                             the policy version after this step
 ``weights/store_mb``                    MiB of policy versions the weight store keeps after
                                         this step (full weights, or with ``model.lora``
@@ -93,7 +105,9 @@ the step's batch, all minibatches together.
                                         (``rl.eval_samples`` completions per problem) at the
                                         training temperature, fixed sampling seed
                                         (``a3po.training.heldout``); step 0 = warm start
-``eval/heldout_greedy_acc``             held-out accuracy, greedy pass@1 (temperature 0)
+``eval/heldout_greedy_acc``             held-out accuracy, greedy pass@1 (temperature 0);
+                                        both logged at the evaluated version's step, in
+                                        background mode by a later call of their own
 ``eval/final/*``                        (after training, ``tasks.evaluation``) the held-out
                                         figures of the final checkpoint, and
                                         ``eval/final/<benchmark>/<metric>`` per benchmark
@@ -168,6 +182,9 @@ def valid_metric_key(name: str) -> bool:
 
 
 class MetricLogger(Protocol):
+    """Takes each step's metrics once, in step order; a step's figures computed later (a background
+    held-out evaluation: ``a3po.training.evaluations``) come in a further call with that step."""
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
 

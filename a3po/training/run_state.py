@@ -4,18 +4,19 @@
 On disk (:func:`a3po.storage.checkpoint.save_checkpoint`) a checkpoint is one flat mapping:
 ``step``, ``policy``, ``optimizer``, ``weights_history``, ``history``, ``eval_curve``,
 ``train_wall_s``, ``warmstart_acc``, ``config``, ``inputs`` (the sha256 of the model and data files
-the config names, :mod:`a3po.training.inputs`), and the entries of the run's extensions
-(:mod:`a3po.training.extensions`: ``critic`` / ``critic_optimizer``, ``oppo_state``,
-``intra_critic_history`` / ``intra_state``) under their own keys. With ``model.lora``, ``policy``,
-``weights_history`` and ``optimizer`` hold the adapters alone (and their AdamW state): the frozen
-base is the warm start, which the run loads again.
+the config names, :mod:`a3po.training.inputs`), ``pending_evaluation`` when the held-out evaluation
+of the checkpoint's own step was still running beside training (:class:`PendingEvaluation`), and
+the entries of the run's extensions (:mod:`a3po.training.extensions`: ``critic`` /
+``critic_optimizer``, ``oppo_state``, ``intra_critic_history`` / ``intra_state``) under their own
+keys. With ``model.lora``, ``policy``, ``weights_history`` and ``optimizer`` hold the adapters
+alone (and their AdamW state): the frozen base is the warm start, which the run loads again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,9 +31,23 @@ log = logging.getLogger(__name__)
 # The keys RunState owns on disk; every other key of a checkpoint belongs to an extension.
 _RUN_KEYS = ("step", "weights_history", "history", "eval_curve", "train_wall_s", "warmstart_acc", "config")
 # Run keys added later: a checkpoint written before them lacks them (see resume).
-_LATER_RUN_KEYS = ("inputs", "precision")
+_LATER_RUN_KEYS = ("inputs", "precision", "pending_evaluation")
 # Written beside the run's keys by every rank's save (a3po.training.loop.save_rank_checkpoint).
 _WEIGHT_KEYS = ("policy", "optimizer")
+
+
+@dataclass(frozen=True)
+class PendingEvaluation:
+    """The held-out evaluation of version ``version`` still running beside training
+    (``rl.eval_mode: background``, :mod:`a3po.training.evaluations`) when the checkpoint of step
+    ``version`` was written: that checkpoint holds version ``version``'s weights but not its
+    figures, so a run resumed from it evaluates the restored weights first. ``train_rows``: the
+    ``source: "train"`` rows of that step's completion table
+    (:meth:`a3po.training.completions.CompletionTables.training_rows`; None: the run wrote no
+    tables), which only exist at the step."""
+
+    version: int
+    train_rows: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -57,6 +72,10 @@ class RunState:
     weights_history: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     # the extensions' entries, by their keys on disk
     extensions: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The evaluation of version ``step`` when it was still running as the checkpoint was written (None: its
+    # figures are in ``history`` and ``eval_curve``, or ``step`` is no evaluation step; and a checkpoint
+    # written before the field existed).
+    pending_evaluation: PendingEvaluation | None = None
     policy: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     optimizer: Any = field(default=None, repr=False)
     path: str | None = None  # the checkpoint it was read from (not written)
@@ -73,6 +92,7 @@ class RunState:
             "config": self.config,
             "inputs": self.inputs or {},
             **({"precision": self.precision} if self.precision is not None else {}),
+            **({"pending_evaluation": asdict(self.pending_evaluation)} if self.pending_evaluation else {}),
             **self.extensions,
         }
 
@@ -93,11 +113,26 @@ class RunState:
             eval_curve=[tuple(p) for p in state["eval_curve"]],  # JSON keeps lists
             train_wall_s=state["train_wall_s"],
             weights_history=state["weights_history"],
+            pending_evaluation=_pending_evaluation(state, path),
             extensions={k: v for k, v in state.items() if k not in (*_RUN_KEYS, *_LATER_RUN_KEYS, *_WEIGHT_KEYS)},
             policy=state["policy"],
             optimizer=state["optimizer"],
             path=str(path),
         )
+
+
+def _pending_evaluation(state: dict[str, Any], path: str | Path) -> PendingEvaluation | None:
+    """The checkpoint's pending evaluation, checked: it can only be of the step whose weights it holds."""
+    saved = state.get("pending_evaluation")
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or saved.get("version") != state["step"]:
+        raise CheckpointError(f"{path}: pending_evaluation {saved!r} is not the evaluation of its step "
+                              f"{state['step']} (the only weights it holds)")
+    rows = saved.get("train_rows")
+    if rows is not None and not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):
+        raise CheckpointError(f"{path}: pending_evaluation's train_rows is not a list of rows")
+    return PendingEvaluation(version=saved["version"], train_rows=rows)
 
 
 def resume(

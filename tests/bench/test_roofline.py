@@ -64,6 +64,9 @@ def test_roofline_runs_on_micro_and_ends_with_one_json_line(capsys):
         # at least the prefill: 2*10,432*4*6 + 2*1*4*36*32 + 2*32*146*4 = 500,736 + 9,216 + 37,376 = 547,328
         assert r["flops"] > 547_328, key
     assert any(line.startswith("peak matmul 128^2") for line in out)
+    keys = {"logprob_full_ms", "logprob_chunked_ms", "sample_multinomial_ms", "sample_inverse_cdf_ms"}
+    assert sorted(last["vocabulary"]) == sorted(precisions)
+    assert all(set(v) == keys and min(v.values()) > 0 for v in last["vocabulary"].values())
 
 
 def test_roofline_refuses_bad_arguments():

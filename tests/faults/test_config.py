@@ -438,7 +438,10 @@ def test_flow_cli_config_error_exits_2_in_one_line(tmp_path, capsys):
     assert main(["--preset", "micro", "--set", "rl.lr=abc", "--output-dir", str(out)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: overrides: rl.lr: expected a float, got 'abc' (str)"]
     assert main(["--preset", "micro", "--variants", "sync,fast", "--output-dir", str(out)]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["error: --variants: Input should be 'sync', 'recompute' or 'loglinear', got 'fast'"]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --variants: arm 'fast': rl.variant: expected one of 'sync', 'recompute', 'loglinear', got 'fast' "
+        "(an arm is <variant>[+oppo-<mode>][+s<N>|+adaptive[-s<N>]][@<placement>])"
+    ]
     assert not out.exists()
 
 

@@ -331,6 +331,7 @@ def _assert_every_metric_in_mlflow(client, run_id: str, history_path: Path) -> N
         assert got == pytest.approx(want), key
 
 
+@pytest.mark.e2e
 def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
     import threading
 
@@ -378,6 +379,7 @@ def test_training_continues_through_a_tracking_outage(mlflow_server, tmp_path):
     assert [m.step for m in client.get_metric_history(rec.mlflow_run_id, "reward/mean")] == list(range(1, cfg.rl.steps + 1))
 
 
+@pytest.mark.e2e
 def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -417,6 +419,7 @@ def test_tracking_still_down_at_the_end_fails_clearly_and_a_rerun_backfills(mlfl
 # --- 6. a failed flow exits promptly ----------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_failed_flow_exits_within_seconds(tmp_path):
     """A task that fails (a dataset folder that does not exist) on Prefect's temporary server:
     before the fix the process lingered ~80 s after the flow failed (workers retrying a stopped
@@ -476,6 +479,7 @@ def test_a_tracking_store_down_from_the_start_fails_in_seconds_naming_it(tmp_pat
 # --- 8. SIGTERM to the flow's process group ------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_process_group_mid_training_exits_within_seconds(tmp_path):
     """What a terminal's Ctrl-C, ``timeout`` or a CI job's cancel does: the signal reaches every
     process of the group. The temporary Prefect server runs in its own session, so it outlives the

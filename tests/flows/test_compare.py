@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs
 
+import pytest
+
 from tests.support.cli_runs import without_timing  # timing metrics: the only ones allowed to differ
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +159,7 @@ def _task_states(flow_run_id: str, expect: int, timeout_s: float = 30) -> dict[s
     return states
 
 
+@pytest.mark.e2e
 def test_kill_9_resumes_from_checkpoint_and_matches_uninterrupted(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -94,6 +94,7 @@ def _check(res, verdict: str, uri: str):
     assert parent.data.metrics["parity/pass"] == float(verdict == "pass")
 
 
+@pytest.mark.e2e
 def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp_path, easy_dataset, warm_cache):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     healthy = _nightly(tmp_path, easy_dataset, [0, 1], ["recompute"], 0.15, planted=False, cache=warm_cache)
@@ -113,6 +114,7 @@ def test_nightly_passes_healthy_and_fails_planted_regression(prefect_server, tmp
     assert Path(planted["output_dir"], "summary", "parity.md").read_text().startswith("# Nightly parity: fail")
 
 
+@pytest.mark.e2e
 def test_nightly_command_exits_non_zero_on_failure(prefect_server, tmp_path, easy_dataset, warm_cache, capsys):
     """The __main__ path: exit status 1 and the JSON line last. Same runs as the planted night
     of the test above, computed afresh here in its own directory (K = 1 to keep it short)."""

@@ -22,7 +22,7 @@ def test_placements_expand_every_arm_and_name_the_config():
     base = preset("micro")
     dis = Arm.parse("loglinear@disaggregated").config(base, seed=2)
     assert dis.distributed.rollout_workers == 1 and dis.distributed.rollout_cores >= 1 and dis.rl.seed == 2
-    assert Arm.of(dis) == Arm(variant="loglinear", oppo="off", placement="disaggregated")
+    assert Arm.of(dis) == Arm(variant="loglinear", oppo="off", staleness_control="fixed", max_staleness=2, placement="disaggregated")
     assert Arm.of(dis).name == "loglinear@disaggregated"
     col = Arm.parse("sync@colocated").config(base, seed=0)
     assert col.distributed.rollout_workers == 0 and Arm.of(col).name == "sync"  # colocated is the bare name

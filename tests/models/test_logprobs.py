@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from a3po.models import logprobs
 from a3po.models.critic import token_values
-from a3po.models.logprobs import sampling_log_softmax
+from a3po.models.logprobs import picked_logprobs, sampling_log_softmax
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -91,3 +92,45 @@ def test_token_values_shift_one_column_and_skip_left_padding():
     values = token_values(_PositionCritic(), ids, mask)
     assert values.dtype == torch.float32
     assert values.tolist() == [[0.0, 30.0, 41.0, 52.0], [0.0, 0.0, 70.0, 81.0]]
+
+
+# --- picked_logprobs: the chunked log-prob and entropy the trainer takes --------------------------
+
+
+def test_picked_logprobs_by_hand():
+    """Q at T = 2 (LOGITS / 2 = ln Q): log p(id) = ln Q[id], H = -sum Q ln Q, without a nucleus."""
+    targets = torch.tensor([1, 2])
+    logp, ent = picked_logprobs(torch.stack([LOGITS, LOGITS]), targets, temperature=2.0, return_entropy=True)
+    assert torch.allclose(logp, torch.tensor([math.log(0.4), math.log(0.12)]), atol=1e-6)
+    assert torch.allclose(ent, torch.full((2,), -sum(q * math.log(q) for q in Q)), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_picked_logprobs_chunked_equal_the_full_log_softmax_and_its_gradient(monkeypatch, dtype, temperature):
+    """A chunk of 3 vocabulary rows at a time (20 positions: 7 chunks, the last one short) gives the
+    values, entropies and logit gradients of torch's own log-softmax over the whole tensor."""
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 3 * 40)
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(4, 5, 40, generator=gen)).to(dtype).requires_grad_()
+    targets = torch.randint(40, (4, 5), generator=gen)
+    upstream = torch.randn(4, 5, generator=gen)
+
+    logp, ent = picked_logprobs(logits, targets, temperature, return_entropy=True)
+    (logp * upstream).sum().backward()
+    got_grad, logits.grad = logits.grad, None
+
+    ref_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    ref = ref_all.gather(-1, targets[..., None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    assert logp.dtype == torch.float32 and got_grad.dtype == dtype
+    assert torch.allclose(logp, ref, atol=1e-5)
+    assert torch.allclose(ent, -(ref_all.exp() * ref_all).sum(-1).detach(), atol=1e-4)
+    assert torch.allclose(got_grad.float(), logits.grad.float(), atol=1e-6)
+
+
+def test_picked_logprobs_entropy_of_a_ruled_out_token_is_finite():
+    """A -inf logit (a token the model rules out) has p = 0 and adds nothing to H (not 0 * -inf = nan)."""
+    logits = torch.tensor([[0.0, 0.0, NEG_INF]])
+    logp, ent = picked_logprobs(logits, torch.tensor([0]), return_entropy=True)
+    assert torch.allclose(logp, torch.tensor([math.log(0.5)])) and torch.allclose(ent, torch.tensor([math.log(2.0)]))

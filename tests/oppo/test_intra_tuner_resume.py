@@ -59,6 +59,7 @@ def _tuner_state(ckpt_dir: Path, step: int) -> dict:
     return load_checkpoint(ckpt_dir / f"step_{step:06d}")["intra_state"]["chunk_tuner"]
 
 
+@pytest.mark.e2e
 def test_resumed_run_continues_the_chunk_tuners_schedule(core_stub_rewards, micro_warmstart, tmp_path):
     ckpt = tmp_path / "ckpt"
     with pytest.raises(Crash):

@@ -53,6 +53,26 @@ def test_logger_skips_logged_steps_and_rejects_bad_keys(store):
         logger.log_metrics({"eval/pass@1": 0.5}, 7)
 
 
+def test_a_retry_still_logs_an_evaluation_that_arrives_after_its_step(store):
+    """A retried task (steps 1-6 in the run, the held-out figures of step 2 too but not those of step 4,
+    evaluated beside training when the task died) logs step 4's late figures, nothing else at or
+    below 6, and back-fills step 4's figures from the history."""
+    client, exp, _, _ = store
+    run_id = create_run(client, exp, "r", {})
+    logger = MlflowMetricLogger(client, run_id, skip_through_step=6, late_steps_logged=frozenset({2}))
+    logger.log_metrics({"reward/mean": 1.0, "eval/heldout_acc": 0.4}, 2)  # all in the run already
+    logger.log_metrics({"reward/mean": 1.0, "eval/heldout_acc": 0.5}, 4)  # the late figure only
+    logger.flush()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/heldout_acc")] == [(4, 0.5)]
+    assert client.get_metric_history(run_id, "reward/mean") == []
+    other = create_run(client, exp, "r2", {})
+    logger = MlflowMetricLogger(client, other, skip_through_step=6, late_steps_logged=frozenset({2}))
+    history = [{"reward/mean": 0.1 * s} | ({"eval/heldout_acc": 0.1 * s} if s % 2 == 0 else {}) for s in range(1, 9)]
+    assert logger.ensure_history(history) == 4  # step 4 and 6's late figures, steps 7 and 8 whole
+    assert [m.step for m in client.get_metric_history(other, "eval/heldout_acc")] == [4, 6, 8]
+    assert [m.step for m in client.get_metric_history(other, "reward/mean")] == [7, 8]
+
+
 def test_experiment_artifacts_live_next_to_the_sqlite_store(store):
     client, exp, _, tmp_path = store
     assert client.get_experiment(exp).artifact_location == (tmp_path / "mlartifacts" / "test").as_uri()

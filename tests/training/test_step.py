@@ -358,24 +358,27 @@ ON_DISK = {
     "config": {"rl": {"steps": 8}}, "inputs": {"data.train_path": "ab" * 32}, "precision": "bf16-autocast",
     "critic": {"v": torch.ones(1)}, "critic_optimizer": {"state": {}},
     "oppo_state": {"carry": []}, "intra_critic_history": {}, "intra_state": {"chunk_tuner": {}},
+    "pending_evaluation": {"version": 4, "train_rows": [{"source": "train", "reward": 1.0}]},
 }
 
 
 def test_run_state_reads_and_writes_the_checkpoint_keys_on_disk():
     """Old checkpoints keep resuming: RunState reads every key of the current format and writes
     back the same keys (the policy and optimizer beside it, through the updater)."""
-    from a3po.training.run_state import RunState
+    from a3po.training.run_state import PendingEvaluation, RunState
 
     run = RunState.from_checkpoint(ON_DISK, "ckpt/step_000004")
     assert (run.step, run.warmstart_acc, run.train_wall_s, run.path) == (4, 0.25, 7.0, "ckpt/step_000004")
     assert run.eval_curve == [(0, 0.25), (4, 0.5)]  # JSON's lists back to (step, acc) pairs
     assert run.inputs == {"data.train_path": "ab" * 32}  # the files' hashes, not an extension's entry
     assert run.precision == "bf16-autocast"  # what the run computed in, not an extension's entry
+    assert run.pending_evaluation == PendingEvaluation(4, [{"source": "train", "reward": 1.0}])  # nor this
     assert run.policy is ON_DISK["policy"] and run.optimizer is ON_DISK["optimizer"]
     assert set(run.extensions) == {"critic", "critic_optimizer", "oppo_state", "intra_critic_history", "intra_state"}
     written = run.to_checkpoint()
     assert set(written) == set(ON_DISK) - {"policy", "optimizer"}
     assert written["weights_history"] is ON_DISK["weights_history"] and written["oppo_state"] is ON_DISK["oppo_state"]
+    assert written["pending_evaluation"] == ON_DISK["pending_evaluation"]
 
 
 def test_a_checkpoint_without_a_run_key_names_the_file_and_the_key():

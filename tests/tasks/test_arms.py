@@ -1,0 +1,86 @@
+"""The staleness axis of an arm (tasks.arms): ``+s<N>`` (a fixed bound) and ``+adaptive[-s<N>]``
+(rl.staleness_control adaptive), their names written and read in one place, the configs they build,
+their refusals, and the baselines a row is compared with."""
+
+from __future__ import annotations
+
+import pytest
+
+from a3po.config import ConfigError, preset, with_overrides
+from tasks.arms import DEFAULT_BOUND, Arm, expand_arms
+from tasks.summary import baselines_of
+
+NAMES = ["loglinear+s4", "recompute+s0", "loglinear+adaptive", "loglinear+adaptive-s8", "loglinear+oppo-inter+s1",
+         "loglinear+oppo-inter+adaptive@disaggregated", "recompute+s16@disaggregated"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_name_round_trips(name):
+    assert Arm.parse(name).name == name
+    assert Arm.model_validate(name) == Arm.parse(name)  # wherever an Arm is expected, a name is read
+
+
+def test_the_fields_a_name_gives_and_the_default_bound_left_out():
+    assert DEFAULT_BOUND == 2  # rl.max_staleness's default, the presets' bound
+    assert Arm.parse("loglinear+s4") == Arm(variant="loglinear", max_staleness=4)
+    assert Arm.parse("loglinear+adaptive") == Arm(variant="loglinear", staleness_control="adaptive")
+    assert Arm.parse("loglinear+oppo-inter+adaptive-s8@disaggregated") == Arm(
+        variant="loglinear", oppo="inter", staleness_control="adaptive", max_staleness=8, placement="disaggregated")
+    assert Arm.parse("loglinear+s4+oppo-inter").name == "loglinear+oppo-inter+s4"  # read in any order, written in one
+    assert Arm.parse("loglinear+s2").name == "loglinear" and Arm.parse("loglinear+adaptive-s2").name == "loglinear+adaptive"
+    assert Arm(variant="loglinear", staleness_control="fixed", max_staleness=2).name == "loglinear"
+
+
+@pytest.mark.parametrize("name, match", [
+    ("sync+s4", "'sync' with a staleness bound: sync trains on-policy"),
+    ("sync+adaptive", "'sync' with a staleness bound"),
+    ("loglinear+s4+s8", "two parts name its staleness bound"),
+    ("loglinear+s4+adaptive", "two parts name its staleness bound"),
+    ("loglinear+oppo-inter+oppo-off", "two parts name its OPPO mode"),
+    ("loglinear+fast", "'fast' is neither an OPPO mode"),
+    ("loglinear+s04", "'s04' is neither"),
+    ("loglinear+adaptive-4", "'adaptive-4' is neither"),
+    ("loglinear+oppo-sideways+s4", "unknown OPPO mode 'sideways'"),
+])
+def test_names_that_are_no_arm_are_refused_naming_why(name, match):
+    with pytest.raises(ValueError, match=match):
+        Arm.parse(name)
+
+
+def test_the_configs_the_staleness_arms_build():
+    base = preset("micro")
+    s4 = Arm.parse("loglinear+s4").config(base, seed=1)
+    assert (s4.rl.max_staleness, s4.rl.staleness_control, s4.rl.schedule) == (4, "fixed", "deterministic")
+    adaptive = Arm.parse("loglinear+adaptive").config(base, seed=1)
+    # The bound moves under the threaded schedule only: the adaptive arm runs it, under the config's ceiling.
+    assert (adaptive.rl.max_staleness, adaptive.rl.staleness_control, adaptive.rl.schedule) == (2, "adaptive", "threaded")
+    assert Arm.parse("loglinear+adaptive-s8").config(base, 0).rl.max_staleness == 8
+    for name in NAMES[:5]:  # colocated: every one builds, and its config runs the arm of its name
+        assert Arm.of(Arm.parse(name).config(base, 0)).name == name
+    # A bare variant runs the config's bound, and its name says so where it is not the default.
+    base4 = with_overrides(base, rl={"max_staleness": 4})
+    assert Arm.of(Arm.parse("loglinear").config(base4, 0)).name == "loglinear+s4"
+    assert Arm.of(Arm.parse("loglinear+s2").config(base4, 0)).name == "loglinear"
+    assert Arm.of(Arm.parse("sync").config(base4, 0)) == Arm(variant="sync", oppo="off", placement="colocated")
+
+
+def test_adaptive_arms_where_the_bound_cannot_move_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with distributed.rollout_workers"):
+        Arm.parse("loglinear+oppo-inter+adaptive@disaggregated").config(preset("micro"), 0)
+    with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with rl.max_staleness 1"):
+        Arm.parse("loglinear+adaptive-s1").config(preset("micro"), 0)
+    assert Arm.parse("loglinear+oppo-inter+adaptive").config(preset("micro"), 0).oppo.inter  # colocated: it runs
+
+
+def test_arms_expand_and_compare_with_sync_and_recompute_at_their_bound():
+    names = ["loglinear+s1", "loglinear+s2", "loglinear+s4", "loglinear+s8", "loglinear+adaptive"]
+    assert [a.name for a in expand_arms(names, None)] == ["loglinear+s1", "loglinear", "loglinear+s4", "loglinear+s8",
+                                                          "loglinear+adaptive"]
+    # A name's own OPPO mode or placement is kept; --oppo / --placements fill in the others.
+    assert [a.name for a in expand_arms(["loglinear+oppo-inter+s4", "loglinear+s4"], ["off"], ["disaggregated"])] == [
+        "loglinear+oppo-inter+s4@disaggregated", "loglinear+s4@disaggregated"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+s4"))] == ["sync", "recompute+s4"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+oppo-inter+adaptive"))] == ["sync", "recompute+adaptive",
+                                                                                           "loglinear+adaptive"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear@disaggregated"))] == ["sync@disaggregated",
+                                                                                     "recompute@disaggregated"]
