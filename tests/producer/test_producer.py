@@ -34,6 +34,7 @@ from a3po.rollout.types import SamplingParams
 from a3po.storage.checkpoint import load_checkpoint
 from a3po.training import loop
 from a3po.training.loop import rl_train
+from tests.support.producer_record import record_produced
 from tests.support.rewards import stub_rewards
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
@@ -277,20 +278,14 @@ def test_threaded_schedule_trains_every_step_within_the_staleness_bound(core_stu
     # order, no token is staler than the bound, and with s = 0 the run is on-policy.
     # To see that the producer does run ahead, the first train step waits until batches 0..s are
     # made: they can only be sampled by version 0, so step j <= s trains tokens j versions stale.
-    produced: list[int] = []
-    produce_next, train_step = RolloutProducer._produce_next, loop.train_step
-
-    def recording(self, j):
-        out = produce_next(self, j)
-        produced.append(j)
-        return out
+    produced = record_produced(monkeypatch)
+    train_step = loop.train_step
 
     def after_the_producer_ran_ahead(model, optimizer, scored, step, *args, **kwargs):
         if step == 0:
             _wait_for(lambda: len(produced) > s, timeout=30.0)  # a producer that cannot run ahead fails below
         return train_step(model, optimizer, scored, step, *args, **kwargs)
 
-    monkeypatch.setattr(RolloutProducer, "_produce_next", recording)
     monkeypatch.setattr(loop, "train_step", after_the_producer_ran_ahead)
     res, _ = _micro_run(steps=8, s=s, schedule="threaded")
     assert [h["version"] for h in res.history] == [float(v) for v in range(1, 9)]

@@ -13,11 +13,11 @@ from a3po.config import RunPlan, config_from_dict, preset, with_overrides
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
-from a3po.producer.producer import RolloutProducer
 from a3po.training import loop
 from a3po.training.guard import ApproximationGuard
 from a3po.training.loop import rl_train
 from a3po.training.staleness import StalenessBound, step_measures
+from tests.support.producer_record import record_produced
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -77,13 +77,8 @@ def test_an_adaptive_micro_run_raises_its_bound_and_the_producer_admits_under_it
     rl = {**ADAPTIVE, "max_staleness": 3, "steps": 8, "eval_every": 100, "staleness_idle_frac": 1e-6,
           "staleness_max_iw": 1e6, "staleness_raise_iw": 1e6, "staleness_patience": 1}
     cfg = with_overrides(preset("micro"), rl=rl)
-    produced: list[int] = []
-    produce_next, train_step = RolloutProducer._produce_next, loop.train_step
-
-    def recording(self, j):
-        out = produce_next(self, j)
-        produced.append(j)
-        return out
+    produced = record_produced(monkeypatch)
+    train_step = loop.train_step
 
     ran_ahead = []
 
@@ -97,7 +92,6 @@ def test_an_adaptive_micro_run_raises_its_bound_and_the_producer_admits_under_it
             ran_ahead.append(6 in produced)
         return train_step(model, optimizer, scored, step, *args, **kwargs)
 
-    monkeypatch.setattr(RolloutProducer, "_produce_next", recording)
     monkeypatch.setattr(loop, "train_step", at_step_3_let_the_producer_run_ahead)
     model, tok = build_tiny_model("micro", WORDS, seed=0)
     train, held, _ = load_rows(cfg.data, tok)
