@@ -15,7 +15,13 @@ measures it. It runs (or reuses) ``a3po train`` per steps x arm x seed under ``-
    recorded seeds, the candidate's figures shifted down by the effect: no model of the noise)
    and *normal* (20,000 draws from the fitted normal of the per-seed differences: smooth in K);
 3. the cost: the measured RL wall per run and the nightly's wall for K seeds;
-4. the planted regressions' own shortfall and verdicts, where recorded.
+4. the planted regressions' own shortfall and verdicts, where recorded;
+5. with ``--holdout-seeds``, the verdicts out of sample: the shortfall rule calibrated on
+   ``--seeds`` only, then every K-subset of the held-out seeds judged as a night (the false-alarm
+   rate and the power with no seed shared between calibration and night), the nightly's own
+   seeds (:data:`tasks.parity.NIGHTLY_SEEDS`) as one night, and the planted runs against that
+   calibration. Give the nightly's seeds as held out: a calibration that contains them judges
+   its own seeds, which is how an in-sample pass looks good.
 
 Rules (:data:`tasks.parity.RULES`): ``noninferiority`` (the paired bootstrap against each
 reference with a tolerance, the nightly's original rule) and ``shortfall`` (a one-sided test of
@@ -26,6 +32,8 @@ standard deviation measured here on N seeds: fail iff
     python -m bench.nightly_power --runs-dir runs/power --seeds 0-9 --steps 150,75            # run what is missing, report
     python -m bench.nightly_power --runs-dir runs/power --seeds 0-5 --steps 150 --plants lr_half,biased_advantage
     python -m bench.nightly_power --runs-dir runs/power --report-only
+    python -m bench.nightly_power --runs-dir runs/power --steps 75 --seeds 10-19 --holdout-seeds 0-9 \
+        --plants lr_half,biased_advantage --plant-seeds 0-5       # calibrate on 10-19, judge nights of 0-9
 
 Prints the tables, then as the very last line one JSON object.
 """
@@ -95,10 +103,12 @@ def load(runs: Path, steps: int, plant: str | None) -> dict[str, dict[int, dict[
     return found
 
 
-def paired(values: dict[str, dict[int, dict[str, float]]], candidate: dict[int, dict[str, float]] | None = None) -> tuple[list[int], np.ndarray]:
-    """Seeds every arm ran and the (K, 2) per-seed differences candidate - each reference."""
+def paired(values: dict[str, dict[int, dict[str, float]]], candidate: dict[int, dict[str, float]] | None = None,
+           among: list[int] | None = None) -> tuple[list[int], np.ndarray]:
+    """Seeds every arm ran (of ``among``, where given) and the (K, 2) per-seed differences
+    candidate - each reference."""
     cand = values.get(CANDIDATE, {}) if candidate is None else candidate
-    seeds = sorted(set(cand).intersection(*(values.get(r, {}) for r in REFERENCES)))
+    seeds = sorted(set(cand).intersection(*(values.get(r, {}) for r in REFERENCES)).intersection(among if among is not None else cand))
     d = np.array([[cand[s]["final_reward"] - values[r][s]["final_reward"] for r in REFERENCES] for s in seeds]).reshape(-1, len(REFERENCES))
     return seeds, d
 
@@ -135,6 +145,19 @@ def fail_rate_resampled(rule: str, d: np.ndarray, k: int, effect: float, toleran
     return float(np.mean(fails))
 
 
+def fail_rate_held_out(rule: str, calibration: np.ndarray, held_out: np.ndarray, k: int, effect: float, tolerance: float,
+                       cap: int = 300) -> tuple[float, int]:
+    """``(fail rate, nights)``: every K-subset of the held-out seeds' differences (at most ``cap``,
+    evenly spread) judged as a night, the candidate shifted down by ``effect``, the shortfall rule
+    calibrated on ``calibration`` alone: no seed is both calibration and night. The nights share
+    seeds with each other, so the rate is an average over overlapping nights, not independent ones."""
+    subsets = list(itertools.combinations(range(len(held_out)), k))
+    if len(subsets) > cap:
+        subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
+    healthy = calibrate(calibration)
+    return float(np.mean([verdict_fails(rule, held_out[list(s)] - effect, healthy, tolerance) for s in subsets])), len(subsets)
+
+
 def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, tolerance: float, draws: int) -> float:
     """Draws of K seeds from the normal fitted to the per-seed difference pairs, shifted down by
     ``effect``. The shortfall rule is calibrated, per draw, on as many healthy seeds as were
@@ -153,6 +176,44 @@ def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, tolerance:
     return float(np.mean([verdict_fails(rule, n, calibrate(d), tolerance) for n in nights[: min(draws, 2000)]]))
 
 
+def report_held_out(runs: Path, noise: dict[int, dict], held_out: list[int], ks: list[int], tolerance: float) -> dict[str, object]:
+    """Print and return the verdicts on held-out seeds against the calibration on the others: the
+    fail rate per rule x K x effect over every K-subset of the held-out seeds, and the nightly's
+    own seeds as one healthy night."""
+    from tasks.parity import NIGHTLY_SEEDS
+
+    out: dict[str, object] = {}
+    for steps, nz in noise.items():
+        kept, d = paired(load(runs, steps, None), among=held_out)
+        if len(kept) < 2:
+            print(f"\nsteps {steps}: fewer than 2 held-out seeds recorded ({kept}): no out-of-sample verdicts")
+            continue
+        mu, sigma, n = calibrate(nz["d"])
+        pooled = d.mean(axis=1)
+        print(f"\nOut of sample, steps {steps}: calibrated on seeds {nz['seeds']} (healthy_mean {mu:+.4f}, noise_sd {sigma:.4f}); "
+              f"nights drawn from the held-out seeds {kept} (pooled difference mean {pooled.mean():+.4f}, sd {pooled.std(ddof=1):.4f}). "
+              "Probability of a FAIL verdict (effect 0 = false alarm), over every K-subset of the held-out seeds:\n")
+        print("| rule | K | nights | " + " | ".join(f"effect {e:.2f}" for e in EFFECTS) + " |")
+        print("|---|---|---|" + "---|" * len(EFFECTS))
+        rows = []
+        for rule in ("noninferiority", "shortfall"):
+            for k in (k for k in ks if k <= len(kept)):
+                rates = {e: fail_rate_held_out(rule, nz["d"], d, k, e, tolerance) for e in EFFECTS}
+                nights = next(iter(rates.values()))[1]
+                rows.append({"rule": rule, "k": k, "nights": nights, **{f"fail@{e:.2f}": round(r, 3) for e, (r, _) in rates.items()}})
+                print(f"| {rule} | {k} | {nights} | " + " | ".join(f"{r:.2f}" for r, _ in rates.values()) + " |")
+        night = {}
+        if set(NIGHTLY_SEEDS) <= set(kept):
+            idx = [kept.index(s) for s in NIGHTLY_SEEDS]
+            night = {rule: "fail" if verdict_fails(rule, d[idx], (mu, sigma, n), tolerance) else "pass" for rule in ("noninferiority", "shortfall")}
+            print(f"\nthe nightly's seeds {list(NIGHTLY_SEEDS)} as one healthy night (out of sample): pooled difference "
+                  f"{d[idx].mean():+.4f}; verdicts: " + ", ".join(f"{r} {v}" for r, v in night.items()))
+        out[str(steps)] = {"calibration_seeds": nz["seeds"], "held_out_seeds": kept, "healthy_mean": round(mu, 4), "noise_sd": round(sigma, 4),
+                           "held_out_mean": round(float(pooled.mean()), 4), "held_out_sd": round(float(pooled.std(ddof=1)), 4),
+                           "fail_rates": rows, "nightly_seeds_night": night}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.nightly_power", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs-dir", default="runs/power")
@@ -165,15 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="3,4,5,6,8", help="K seeds per night to evaluate")
     ap.add_argument("--tolerance", type=float, default=0.1, help="the noninferiority rule's tolerance")
     ap.add_argument("--draws", type=int, default=20_000)
+    ap.add_argument("--holdout-seeds", default=None, help="seeds judged as nights against the calibration on --seeds alone (disjoint from it)")
     ap.add_argument("--report-only", action="store_true", help="use the recorded runs, train nothing")
     args = ap.parse_args(argv)
     runs, seeds = Path(args.runs_dir), parse_seeds(args.seeds)
+    held_out = parse_seeds(args.holdout_seeds) if args.holdout_seeds else []
+    if set(held_out) & set(seeds):
+        ap.error(f"--holdout-seeds {held_out} share {sorted(set(held_out) & set(seeds))} with --seeds {seeds}: a held-out night "
+                 "must not be part of the calibration")
     budgets = [int(s) for s in args.steps.split(",")]
     plants = [p for p in args.plants.split(",") if p]
     plant_seeds = parse_seeds(args.plant_seeds) if args.plant_seeds else seeds
     if not args.report_only:
         for steps in budgets:
-            collect(runs, args.preset, steps, seeds, None, args.config)
+            collect(runs, args.preset, steps, seeds + held_out, None, args.config)
             for plant in plants:
                 collect(runs, args.preset, steps, plant_seeds, plant, args.config)
 
@@ -186,12 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     noise = {}
     for steps in budgets:
         values = load(runs, steps, None)
-        kept, d = paired(values)
+        kept, d = paired(values, among=seeds)  # the calibration's seeds only: held-out seeds are judged below
         if len(kept) < 3:
             print(f"| {steps} | {len(kept)} | (fewer than 3 seeds recorded) | | | |")
             continue
         pooled = d.mean(axis=1)
-        walls = {v: float(np.median([r["rl_wall_s"] for r in values[v].values()])) for v in (CANDIDATE, *REFERENCES)}
+        walls = {v: float(np.median([values[v][s]["rl_wall_s"] for s in kept])) for v in (CANDIDATE, *REFERENCES)}
         noise[steps] = {"d": d, "sigma": float(pooled.std(ddof=1)), "walls": walls, "seeds": kept}
         print(f"| {steps} | {len(kept)} | {d[:, 0].mean():+.4f} / {d[:, 0].std(ddof=1):.4f} | {d[:, 1].mean():+.4f} / {d[:, 1].std(ddof=1):.4f} | "
               f"{pooled.mean():+.4f} / {pooled.std(ddof=1):.4f} | " + ", ".join(f"{v} {w:.0f}" for v, w in walls.items()) + " |")
@@ -243,12 +309,15 @@ def main(argv: list[str] | None = None) -> int:
             short = [cand[s]["final_reward"] - healthy[CANDIDATE][s]["final_reward"] for s in kept]
             verdicts = {rule: "fail" if verdict_fails(rule, d, calibrate(nz["d"]), args.tolerance) else "pass"
                         for rule in ("noninferiority", "shortfall")}
+            sample = "in sample" if set(kept) & set(nz["seeds"]) else "out of sample"  # against the calibration's seeds
             planted[f"{plant}@{steps}"] = {"seeds": kept, "shortfall_vs_healthy": [round(x, 4) for x in short],
-                                           "mean_vs_pooled": round(float(pooled.mean()), 4), **verdicts}
-            print(f"\nplanted {plant} (steps {steps}, seeds {kept}): vs the healthy candidate {np.mean(short):+.4f} "
+                                           "mean_vs_pooled": round(float(pooled.mean()), 4), "calibration": sample, **verdicts}
+            print(f"\nplanted {plant} (steps {steps}, seeds {kept}, {sample}): vs the healthy candidate {np.mean(short):+.4f} "
                   f"({', '.join(f'{x:+.3f}' for x in short)}); vs pooled {pooled.mean():+.4f}; verdicts: "
                   + ", ".join(f"{r} {v}" for r, v in verdicts.items()))
     figures["planted"] = planted
+    if held_out:
+        figures["out_of_sample"] = report_held_out(runs, noise, held_out, ks, args.tolerance)
     print(json.dumps(figures))
     return 0
 

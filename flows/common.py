@@ -35,6 +35,7 @@ from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.description import describe_parent_run
 from tasks.evaluation import evaluate_checkpoint
 from tasks.links import tag_run_links
+from tasks.pairs import Setting, summarise_pairs
 from tasks.pictures import log_run_pictures
 from tasks.runtime import default_tracking_uri
 from tasks.summary import SMOOTH_FRAC, TARGET_FRACTION, summarise
@@ -299,14 +300,22 @@ def step0_benchmarks(ws: WarmStart, base: TrainConfig, spec: ComparisonSpec, dat
     return {k.replace("eval/final/", "eval/step0/", 1): v for k, v in ev["metrics"].items() if k.startswith("eval/final/")}
 
 
+# Spec fields that change what the preset runs: a recorded calibration (tasks.parity.CALIBRATIONS) no longer holds.
+CALIBRATION_BREAKERS = ("config", "overrides", "model", "dataset", "task")
+
+
 def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[Arm], launch: LaunchSpec | None = None,
                           fanout_deployment: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """``(records, links, summary)``: the comparison, its links tagged on the parent run, its
-    summary (table, speedups, plots) written under ``<out>/summary`` and set as the parent run's
-    Description (a flow with a verdict sets it again, verdict first), and each child run's pictures."""
+    summary (table, speedups, plots, and the pairs with their intervals: tasks.pairs) written under
+    ``<out>/summary`` and set as the parent run's Description (a flow with a verdict sets it again,
+    verdict first), and each child run's pictures."""
     records = run_comparison(spec, base, ref, out, arms, launch=launch, fanout_deployment=fanout_deployment)
     links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
     summary = summarise(records, str(out / "summary"), spec.target_fraction, spec.smooth_frac)
+    # The pairs' reward verdicts hold only where a calibration was measured: the preset as shipped, at these steps.
+    setting = Setting(spec.preset, base.rl.steps, spec.smooth_frac, tuple(k for k in CALIBRATION_BREAKERS if getattr(spec, k)))
+    summary = summarise_pairs(summary, records, setting, str(out / "summary"))
     log_run_pictures(ref, records)
     describe_parent_run(ref, summary, records, links)
     return records, links, summary

@@ -11,7 +11,7 @@ The pipeline, one line per task:
     prepare dataset (cached) -> warm start (cached) -> for each variant x seed:
     train (atomic checkpoints every N steps; resumes when re-run) -> evaluate the final
     checkpoint (in-domain held-out; GSM8K / MATH500 / AIME24 when their files exist)
-    -> summary (table, speedups, plots) on the MLflow parent run
+    -> summary (table, speedups, plots, pairs with intervals over seeds) on the MLflow parent run
 
 A variant killed mid-training resumes from its last checkpoint when the flow is run again with
 the same output dir. Variants run one after another (the machine this targets has 2 cores).
@@ -19,7 +19,8 @@ the same output dir. Variants run one after another (the machine this targets ha
 Embedded default: Prefect's temporary local server (state under ./.prefect) and an MLflow
 SQLite store ./mlflow.db (override with MLFLOW_TRACKING_URI or --tracking-uri); team mode:
 set PREFECT_API_URL and MLFLOW_TRACKING_URI to the servers started by infra/. Prints the
-comparison table, how to open the MLflow UI, and, as its last line, one JSON object of key
+comparison table, the pairs table (each arm against its baselines, with 95% intervals over
+seeds: tasks.pairs), how to open the MLflow UI, and, as its last line, one JSON object of key
 figures.
 """
 
@@ -144,6 +145,12 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
     return figs
 
 
+def printed_summary(summary: dict[str, Any]) -> str:
+    """What the command line prints of the comparison: its table, then each arm against its
+    baselines with intervals over seeds (tasks.pairs), then the comparison's notes."""
+    return "\n".join(["", summary["table_md"], "", summary["pairs_md"], *(f"note: {n}" for n in summary["notes"])])
+
+
 # --- command line -------------------------------------------------------------------------
 
 
@@ -186,9 +193,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_var
     status, result, api = run_flow("compare_variants", compare_variants, CompareSpec, comparison_kwargs(args), own, check)
     if result is None:
         return status
-    print("\n" + result["summary"]["table_md"])
-    for note in result["summary"]["notes"]:
-        print(f"note: {note}")
+    print(printed_summary(result["summary"]))
     print(f"\nartifacts: {result['output_dir']}/summary   run dirs: {result['output_dir']}")
     print(f"MLflow parent run {result['parent_run_id']} in {result['tracking_uri']}")
     print("\n".join(RunLinks(**result["links"]).lines()))

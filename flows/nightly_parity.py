@@ -171,7 +171,9 @@ def resolve_rule(spec: NightlySpec, steps: int, candidate: str,
             raise
         note = f"noninferiority (paired bootstrap per reference, tolerance): no calibration for this setting ({e})"
         return "noninferiority", None, None, None, note
-    note = f"shortfall, calibrated on {cal.seeds} seeds (healthy mean {cal.healthy_mean:+.4f}, sd {cal.noise_sd:.4f}; {cal.command})"
+    shared = cal.shared_with(spec.seeds)
+    sample = f"IN SAMPLE: tonight's seeds {shared} are calibration seeds" if shared else "out of sample: no seed of tonight's is a calibration seed"
+    note = f"shortfall, calibrated on {cal.seeds} seeds (healthy mean {cal.healthy_mean:+.4f}, sd {cal.noise_sd:.4f}; {cal.command}); {sample}"
     return "shortfall", cal.noise_sd, cal.healthy_mean, cal.seeds, note
 
 

@@ -3,15 +3,19 @@
     python -m flows.paper_claims                          # tiny preset, 3 seeds
     python -m flows.paper_claims --seeds 0 --steps 40     # a short run
     python -m flows.paper_claims --preset micro --seeds 0 --steps 4   # plumbing only
+    python -m flows.paper_claims --seeds 0,1,2 --replicate-seeds 3,4,5   # each verdict judged twice
 
 Runs the comparison of sync, recompute and loglinear (``flows.common.run_comparison``,
 then its summary), then judges each claim of :data:`tasks.claims.CLAIMS` (proximal log-prob time,
 wall time to target vs recompute and vs sync, final reward parity, behaviour-IW extremes,
 clipped tokens): the paper's figure, this testbed's with its spread over seeds, and a verdict
 (reproduced / not reproduced / not measurable here) with a one-line reason, by the rules in
-:mod:`tasks.claims`. The table is ``claims.md`` on the MLflow parent run (with the comparison's
-artifacts), ``claims/<claim>/...`` metrics and a ``claim.<claim>`` tag each; it is printed, with
-one JSON line of key figures last. A Prefect flow, so it can be deployed on a schedule like
+:mod:`tasks.claims`. With ``--replicate-seeds`` every arm also runs on a second, disjoint seed
+set, each claim is judged on each set alone, side by side, and the two verdicts are combined:
+the same twice stands, different ones are "not settled". The table is ``claims.md`` on the
+MLflow parent run (with the comparison's artifacts), ``claims/<claim>/...`` metrics and a
+``claim.<claim>`` tag each (the combined verdict); it is printed, with one JSON line of key
+figures last. A Prefect flow, so it can be deployed on a schedule like
 ``nightly-parity`` (``infra/``).
 """
 
@@ -24,16 +28,16 @@ import time
 from typing import Any, ClassVar
 
 from prefect import flow
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import TrainConfig, Variant
 from a3po.config.axes import PLACEMENTS, Placement
 from a3po.redact import mask_uri
-from flows.cli import add_comparison_args, comparison_kwargs, run_flow
+from flows.cli import add_comparison_args, comparison_kwargs, int_csv, run_flow
 from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
 from tasks.arms import Arm, expand_arms
-from tasks.claims import report_claims
+from tasks.claims import SET_NAMES, report_claims, seed_set
 from tasks.description import describe_parent_run
 from tasks.launched import launch_for_config
 from tasks.links import RunLinks
@@ -51,10 +55,31 @@ class ClaimsSpec(ComparisonSpec):
     # parameters from this file without importing it, where the docstrings cannot be found.
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1, description=(
         "RL seeds, paired across arms (each arm runs once per seed)."))
+    replicate_seeds: list[int] | None = Field(default=None, min_length=1, description=(
+        "A second seed set, disjoint from seeds: every arm runs on it too and each claim is judged on each set alone; "
+        "two different verdicts are 'not settled'. None: one seed set, its verdicts not replicated."))
     experiment: str = Field(default="a3po-claims", description="MLflow experiment of the parent and child runs.")
     placements: list[Placement] | None = Field(default=None, description=(
         "Where generation runs: the variants run in each and the claims are judged per placement; None: as the "
         "config says."))
+
+    @field_validator("replicate_seeds")
+    @classmethod
+    def _replicate_is_another_set(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return value
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:
+            raise ValueError(f"replicate_seeds repeat {repeated}: each seed is one paired run per arm; give each once")
+        seeds = info.data.get("seeds", [])  # absent when seeds itself was refused
+        shared = sorted(set(value) & set(seeds))
+        if shared:  # the same runs again: a replication on them proves nothing
+            raise ValueError(f"replicate_seeds {value} share seed(s) {shared} with seeds {seeds}: a replication needs seeds of its own")
+        return value
+
+    def seed_sets(self) -> dict[str, list[int]]:
+        """The seed sets the claims are judged on, by name: A the seeds, B the replicate seeds if any."""
+        return dict(zip(SET_NAMES, [self.seeds, *([self.replicate_seeds] if self.replicate_seeds else [])], strict=False))
 
 
 def claim_arms(spec: ClaimsSpec, base: TrainConfig) -> list[Arm]:
@@ -75,15 +100,23 @@ def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B0
     launched = launch_for_config(spec.launch_spec(), base)
     out = spec.output_folder()
     preset = spec.preset
-    flow_values = dict(preset=preset, seeds=spec.seeds, placements=spec.placements, target_fraction=spec.target_fraction,
-                       smooth_frac=spec.smooth_frac, variant_overrides=spec.variant_overrides)
+    sets = spec.seed_sets()
+    flow_values = dict(preset=preset, seeds=spec.seeds, replicate_seeds=spec.replicate_seeds, placements=spec.placements,
+                       target_fraction=spec.target_fraction, smooth_frac=spec.smooth_frac, variant_overrides=spec.variant_overrides)
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "claims", "a3po.preset": preset, "a3po.seeds": ",".join(map(str, spec.seeds)), **launch_tags}
+    if spec.replicate_seeds:
+        tags["a3po.replicate_seeds"] = ",".join(map(str, spec.replicate_seeds))
+    # One comparison over every seed (one warm start; the runs are per seed), judged per set below.
+    every_seed = spec.model_copy(update={"seeds": [s for seeds in sets.values() for s in seeds]})
     with parent_run(spec, out, f"claims-{preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
-        records, links, summary = compare_and_summarise(spec, base, ref, out, claim_arms(spec, base), launch=launched)
-        header = (f"# A-3PO claims on this testbed\n\nPreset {preset}, {base.rl.steps} RL steps, seeds {', '.join(map(str, spec.seeds))}, "
-                  f"max staleness {base.rl.max_staleness}; comparison table in comparison.md.")
-        claims = report_claims(summary, str(out / "summary"), header)
+        records, links, summary = compare_and_summarise(every_seed, base, ref, out, claim_arms(spec, base), launch=launched)
+        seeds_line = ("; ".join(f"seed set {name}: {', '.join(map(str, seeds))}" for name, seeds in sets.items()) if len(sets) > 1
+                      else f"seeds {', '.join(map(str, spec.seeds))} (one seed set: not replicated)")
+        header = (f"# A-3PO claims on this testbed\n\nPreset {preset}, {base.rl.steps} RL steps; {seeds_line}; "
+                  f"max staleness {base.rl.max_staleness}; comparison table (every seed) in comparison.md.")
+        judged = [seed_set(name, records, seeds, spec.target_fraction, spec.smooth_frac) for name, seeds in sets.items()]
+        claims = report_claims(judged, str(out / "summary"), header)
         log_to_parent(ref, {**summary["metrics"], **claims["metrics"]}, [*summary["artifacts"], *claims["artifacts"]],
                       tags={f"claim.{r['claim']}": r["verdict"] for r in claims["results"]})
         describe_parent_run(ref, summary, records, links, verdict_md=f"{header}\n\n{claims['markdown']}")
@@ -106,6 +139,9 @@ def build_parser(prog: str = "python -m flows.paper_claims") -> argparse.Argumen
     ap.add_argument("--placements", default=None, metavar="PLACEMENTS",
                     help=f"comma-separated placements ({','.join(PLACEMENTS)}): the variants run in each, the claims "
                          "are judged per placement (default: as the config says)")
+    ap.add_argument("--replicate-seeds", default=None, metavar="SEEDS",
+                    help="comma-separated seeds of a second set, disjoint from --seeds: each claim is judged on each set "
+                         "alone and two different verdicts are 'not settled' (default: one set, not replicated)")
     add_comparison_args(ap, ClaimsSpec)
     return ap
 
@@ -114,13 +150,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.paper_claim
     args = build_parser(prog).parse_args(argv)
 
     placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements is not None else None
+    replicate = int_csv(args.replicate_seeds, "--replicate-seeds") if args.replicate_seeds is not None else None
 
     def check(spec: ClaimsSpec) -> None:
         base = spec.train_config()
         claim_arms(spec, base)  # a refused combination, before anything starts
         launch_for_config(spec.launch_spec(), base)
 
-    status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args), {"placements": placements}, check)
+    status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args),
+                                {"placements": placements, "replicate_seeds": replicate}, check)
     if res is None:
         return status
     print("\n" + res["table_md"] + "\n\n" + res["claims_md"])

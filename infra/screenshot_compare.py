@@ -1,6 +1,8 @@
 """Screenshot of the MLflow UI's compare-runs page of the newest comparison in a store, taken in
 headless Chromium (the picture in docs/pipeline.md), or with ``--completions`` of the newest
-run's last completion table (tasks.completions; docs/img/completions_table.png).
+run's last completion table (tasks.completions; docs/img/completions_table.png), or with
+``--actions`` of the newest run with an actions table: its guard and staleness-bound charts above
+the table (tasks.actions; docs/img/guard_actions.png).
 
     python -m flows.compare_variants --preset micro --variants sync,loglinear --benchmarks '' --output-dir /tmp/shot/runs
     python infra/screenshot_compare.py sqlite:////tmp/shot/mlflow.db docs/img/compare_runs.png
@@ -8,6 +10,11 @@ run's last completion table (tasks.completions; docs/img/completions_table.png).
     python -m flows.compare_variants --preset tiny --variants loglinear --steps 30 --set rl.eval_every=15 \
         --benchmarks '' --output-dir /tmp/shot/runs
     python infra/screenshot_compare.py sqlite:////tmp/shot/mlflow.db docs/img/completions_table.png --completions
+
+    python -m flows.compare_variants --preset tiny --variants loglinear --steps 10 --max-staleness 4 --benchmarks '' \
+        --set rl.guard_every=1 --set rl.guard_policy=tighten --set rl.schedule=threaded --set rl.lr=0.003 \
+        --set rl.lr_warmup_steps=0 --set rl.lr_schedule=constant --set rl.eval_every=5 --output-dir /tmp/shot/runs
+    python infra/screenshot_compare.py sqlite:////tmp/shot/mlflow.db docs/img/guard_actions.png --actions --width 1900
 
 It opens the link the flow tagged on its parent run (``a3po.link.compare_runs``), or the run
 page's artifact view of the table, on an ``mlflow ui`` of its own, on a free loopback port, so nothing else is touched. Chromium is
@@ -54,16 +61,56 @@ TIDY_JS = """(() => {""" + CLOSE_ASSISTANT_JS + """
 TABLE_READY_JS = "document.body.innerText.includes('staleness_max') && document.body.innerText.includes('heldout')"
 # ... fold MLflow's navigation sidebar, which takes the width the table's columns need, and blank
 # the artifact's storage path (a path of the machine that took the picture).
-TABLE_TIDY_JS = "(() => {" + CLOSE_ASSISTANT_JS + """
+FOLD_NAV_JS = """
   const nav = document.querySelector('[data-component-id="mlflow_header.toggle_sidebar_button"]');
   if (nav) nav.click();
   const paths = [...document.querySelectorAll('div, span, p')]
     .filter(e => (e.innerText || '').trim().startsWith('Path:') && e.innerText.includes('://'))
     .sort((a, b) => a.innerText.length - b.innerText.length);
   if (paths.length) paths[0].style.visibility = 'hidden';
-  return Boolean(close);
+"""
+TABLE_TIDY_JS = "(() => {" + CLOSE_ASSISTANT_JS + FOLD_NAV_JS + """  return Boolean(close);
 })()"""
 TABLE_TITLE_JS = "document.body.innerText.split('\\n').find(l => l.startsWith('completions/step_'))"
+# The actions table (tasks.actions): its rows are on the page; its columns widened to their text (as
+# a reader drags them: the view gives each 150 px and cuts the rest), the text wrapped.
+ACTIONS_READY_JS = "document.body.innerText.includes('figures') && document.querySelectorAll('[role=cell]').length > 0"
+ACTIONS_TIDY_JS = "(() => {" + CLOSE_ASSISTANT_JS + FOLD_NAV_JS + """
+  const widths = {step: 44, source: 80, setting: 190, action: 320, reason: 290, figures: 400};
+  const headers = [...document.querySelectorAll('[role=columnheader]')].map(h => h.textContent.trim());
+  const total = headers.reduce((s, h) => s + (widths[h] || 150), 0);
+  document.querySelectorAll('.table-isScrollable').forEach(t => t.style.width = total + 'px');
+  document.querySelectorAll('[role=row]').forEach(row => [...row.querySelectorAll('[role=cell],[role=columnheader]')]
+    .forEach((c, i) => {
+      const w = widths[headers[i]];
+      if (!w) return;
+      c.style.maxWidth = c.style.minWidth = w + 'px';
+      c.style.flex = `0 0 ${w}px`;
+      [c, ...c.querySelectorAll('*')].forEach(x => { x.style.whiteSpace = 'normal'; x.style.textOverflow = 'clip'; });
+    }));
+  return Boolean(close);
+})()"""
+ACTIONS_TITLE_JS = "document.body.innerText.split('\\n').find(l => l.startsWith('actions.json'))"
+ACTIONS_BOTTOM_JS = "Math.max(...[...document.querySelectorAll('[role=table]')].map(e => e.getBoundingClientRect().bottom)) + 16"
+# The run's Model metrics tab, its charts filtered (the search box takes a regular expression) to the guard's
+# figures and the bound in force.
+METRICS_READY_JS = ("Boolean(document.querySelector('input[placeholder=\"Search metric charts\"]')) "
+                    "&& document.body.innerText.includes('guard')")
+FOCUS_SEARCH_JS = "(() => { const i = document.querySelector('input[placeholder=\"Search metric charts\"]'); i.focus(); return true; })()"
+GUARD_CHARTS = "guard/(abs_err_p99|fired|tightened)$|staleness/bound$"
+# ... without the charts' zoom toolbars (drawn over the curves in a still picture), through a style that outlives
+# the charts drawn again as the filter applies.
+METRICS_TIDY_JS = "(() => {" + CLOSE_ASSISTANT_JS + FOLD_NAV_JS + """
+  const style = document.createElement('style');
+  style.textContent = '.modebar-container { display: none !important; }';
+  document.head.appendChild(style);
+  return Boolean(close);
+})()"""
+# drawn: the four charts, and the last one's legend
+CHARTS_DRAWN_JS = ("document.querySelectorAll('.js-plotly-plot').length === 4 "
+                   "&& document.body.innerText.includes('(staleness/bound)')")
+METRICS_TITLE_JS = "document.body.innerText.split('\\n').filter(l => l.endsWith(')') && l.includes('(guard/')).join('; ')"
+METRICS_BOTTOM_JS = "Math.max(...[...document.querySelectorAll('.js-plotly-plot')].map(e => e.getBoundingClientRect().bottom)) + 48"
 
 
 def compare_link(store: str) -> str:
@@ -90,6 +137,17 @@ def completions_link(store: str) -> str:
         tables = sorted(t["path"] for t in json.loads(run.data.tags["mlflow.loggedArtifacts"]) if t["path"].startswith("completions/"))
         return f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/artifactPath/{tables[-1]}"
     raise SystemExit(f"no run with a completion table in {store}: run a flow with rl.log_completions > 0 first")
+
+
+def actions_run_path(store: str) -> str:
+    """The run-page path (``/#/experiments/<e>/runs/<r>``) of the newest run with an actions table."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    exps = [e.experiment_id for e in client.search_experiments()]
+    for run in client.search_runs(exps, "tags.`mlflow.loggedArtifacts` LIKE '%actions.json%'", order_by=["attributes.start_time DESC"]):
+        return f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    raise SystemExit(f"no run with an actions table in {store}: run a flow whose guard fires (rl.guard_every) first")
 
 
 def free_port() -> int:
@@ -161,7 +219,10 @@ class DevTools:
 
 
 def screenshot(url: str, out: Path, width: int, height: int, timeout_s: float, ready_js: str = READY_JS, tidy_js: str = TIDY_JS,
-               title_js: str = TITLE_JS) -> dict:
+               title_js: str = TITLE_JS, type_into: tuple[str, str, str] | None = None, bottom_js: str | None = None) -> dict:
+    """``type_into``: (a script that focuses an input, the text typed into it, a script true once
+    the page has drawn what it then shows), after tidying; ``bottom_js``: where to cut the picture
+    (a script returning the page y to keep down to)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if not chromium:
         raise SystemExit("chromium not found: apt-get install -y chromium")
@@ -179,17 +240,51 @@ def screenshot(url: str, out: Path, width: int, height: int, timeout_s: float, r
                 time.sleep(1)
             time.sleep(3)  # charts draw after the data arrives
             closed_assistant = bool(dt.evaluate(tidy_js))
+            if type_into is not None:
+                focus, text, drawn = type_into
+                dt.evaluate(focus)
+                dt.call("Input.insertText", text=text)
+                while not dt.evaluate(drawn):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the page did not draw what {text!r} selects within {timeout_s:.0f} s: {url}")
+                    time.sleep(1)
+                time.sleep(3)
             time.sleep(2)
             png = b64decode(dt.call("Page.captureScreenshot", format="png")["data"])
             title = dt.evaluate(title_js)
+            bottom = int(dt.evaluate(bottom_js)) if bottom_js else None
         finally:
             dt.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(png)
     from PIL import Image  # matplotlib's dependency: a palette PNG is a fraction of the size
 
-    Image.open(out).convert("RGB").quantize(colors=256).save(out, optimize=True)
+    image = Image.open(out).convert("RGB")
+    if bottom is not None:
+        image = image.crop((0, 0, image.width, min(max(bottom, 1), image.height)))
+    image.quantize(colors=256).save(out, optimize=True)
     return {"png": str(out), "bytes": out.stat().st_size, "page_title": title, "closed_assistant": closed_assistant}
+
+
+def guard_actions(base: str, out: Path, width: int, height: int, timeout_s: float) -> dict:
+    """The run at ``base`` (its page's address): its guard and bound charts above its actions table, one PNG."""
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory(prefix="a3po-shots-") as tmp:
+        charts, table = Path(tmp) / "charts.png", Path(tmp) / "table.png"
+        metrics = screenshot(f"{base}/model-metrics?workflowType=machine_learning", charts, width, height, timeout_s,
+                             ready_js=METRICS_READY_JS, tidy_js=METRICS_TIDY_JS, title_js=METRICS_TITLE_JS,
+                             type_into=(FOCUS_SEARCH_JS, GUARD_CHARTS, CHARTS_DRAWN_JS), bottom_js=METRICS_BOTTOM_JS)
+        rows = screenshot(f"{base}/artifactPath/actions.json?workflowType=machine_learning", table, width, height, timeout_s,
+                          ready_js=ACTIONS_READY_JS, tidy_js=ACTIONS_TIDY_JS, title_js=ACTIONS_TITLE_JS, bottom_js=ACTIONS_BOTTOM_JS)
+        top, below = Image.open(charts).convert("RGB"), Image.open(table).convert("RGB")
+        both = Image.new("RGB", (width, top.height + 4 + below.height), (200, 200, 200))  # a grey rule between the two
+        both.paste(top, (0, 0))
+        both.paste(below, (0, top.height + 4))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    both.quantize(colors=256).save(out, optimize=True)
+    return {"png": str(out), "bytes": out.stat().st_size, "size": list(both.size), "charts_shown": metrics["page_title"],
+            "table_title": rows["page_title"], "closed_assistant": metrics["closed_assistant"] and rows["closed_assistant"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=1700)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds for the UI to start and the page to show the runs")
     ap.add_argument("--completions", action="store_true", help="the newest run's last completion table instead of the comparison")
+    ap.add_argument("--actions", action="store_true",
+                    help="the newest run with an actions table: its guard and staleness-bound charts above the table")
     args = ap.parse_args(argv)
 
-    link = completions_link(args.store) if args.completions else compare_link(args.store)
+    link = completions_link(args.store) if args.completions else actions_run_path(args.store) if args.actions else compare_link(args.store)
     port = free_port()
     parts = urlsplit(link)
     url = f"http://127.0.0.1:{port}{parts.path or '/'}#{parts.fragment}"
@@ -211,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", args.timeout)
-        figures = screenshot(url, Path(args.out), args.width, args.height, args.timeout, **page)
+        if args.actions:
+            figures = guard_actions(url, Path(args.out), args.width, args.height, args.timeout)
+        else:
+            figures = screenshot(url, Path(args.out), args.width, args.height, args.timeout, **page)
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=30)

@@ -4,8 +4,8 @@ in the flow's process (:func:`tasks.training.train_arm`) or as launched ranks (:
 A child run sits under the flow's parent run, tagged with its arm, seed, run folder, config hash
 and topology. A Prefect retry reuses the child run of its flow run (steps already logged are not
 logged again); a new flow run gets a new child run and marks the killed one KILLED. At the end the
-run gets its ``final/...`` metrics and the run folder's completion tables (:mod:`tasks.completions`);
-a failure marks it FAILED without hiding the error.
+run gets its ``final/...`` metrics, the run folder's completion tables (:mod:`tasks.completions`) and
+its actions table (:mod:`tasks.actions`); a failure marks it FAILED without hiding the error.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from a3po.devices import machine_precision, resolve_device
 from a3po.storage.checkpoint import atomic_write_text
 from a3po.training.inputs import input_hashes
 from infra.launch import LaunchSpec
+from tasks.actions import log_action_table
 from tasks.arms import Arm
 from tasks.completions import log_completion_tables
 from tasks.summary import final_reward
@@ -115,6 +116,15 @@ def log_tables(client, run_id: str, folder: Path, log) -> None:
         log_completion_tables(client, run_id, folder)
     except Exception as e:  # noqa: BLE001
         log.warning(f"completion tables not logged to MLflow run {run_id} ({type(e).__name__}: {e}); they are in {folder}")
+
+
+def log_actions(client, run_id: str, path: Path, log) -> None:
+    """The run folder's actions (``actions.jsonl``) on the child run as a table and tags
+    (tasks.actions). A failed upload is a warning: the trained run stands, and its rows stay in the file."""
+    try:
+        log_action_table(client, run_id, path)
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"actions not logged to MLflow run {run_id} ({type(e).__name__}: {e}); they are in {path}")
 
 
 def start_system_metrics(run_id: str, tracking_uri: str, interval_s: float, resume: bool, log):

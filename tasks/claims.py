@@ -29,6 +29,13 @@ reward_parity       final reward loglinear - recompute                     >= -0
 behav_iw_extremes   max behaviour IW loglinear / recompute                 < 1     "more controlled": smaller
 clipped_tokens      clipped fraction loglinear - fewest of the others      <= 0    "clips the fewest" (ties pass)
 ==================  ===================================================  ========  ==============================
+
+**Two seed sets.** A verdict on one set of seeds can flip when the run is repeated on others. With
+a second, disjoint set (the flow's replicate seeds), each claim is judged on each set alone, from
+that set's runs and its own reward target (:func:`seed_set`), and the two verdicts are combined
+(:func:`combine`): the same verdict twice stands; "not measurable here" on either set stands;
+two different verdicts are **not settled**, never "reproduced". A claim judged on one set only is
+shown as "one seed set: not replicated" beside its verdict.
 """
 
 from __future__ import annotations
@@ -45,9 +52,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.arms import Arm
+from tasks.summary import ArmRun, compare, read_history
 from tasks.verdicts import NothingToJudge, all_pass
 
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE = "reproduced", "not reproduced", "not measurable here"
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE)
+NOT_SETTLED = "not settled"  # the two seed sets disagree
+NOT_REPLICATED = "one seed set: not replicated"
+SET_NAMES = ("A", "B")  # the seeds, then the replicate seeds
 
 PAPER = "Li, Wu, Shen: A-3PO, arXiv:2512.06547"
 BLOG = "authors' blog post (hsiaotsan.github.io/blog/posts/a3po-efficient-async-llm-training)"
@@ -225,6 +237,42 @@ def judge(claim: Claim, m: Measurement) -> tuple[str, str]:
     return NOT_REPRODUCED, f"{claim.quantity} {claim.rule} fails on {len(failing)} of {n} seed(s) (seed {seed}: {value:.3g})"
 
 
+def combine(a: str, b: str) -> str:
+    """One claim's verdict from its verdicts ``a`` and ``b`` on two disjoint seed sets:
+
+    - ``a == b``: that verdict (reproduced twice, not reproduced twice, not measurable twice);
+    - either is "not measurable here": "not measurable here" (one set cannot decide it);
+    - otherwise they differ: "not settled", never "reproduced".
+    """
+    for v in (a, b):
+        if v not in VERDICTS:
+            raise ValueError(f"a seed set's verdict is one of {VERDICTS}, got {v!r}")
+    if NOT_MEASURABLE in (a, b):
+        return NOT_MEASURABLE
+    return a if a == b else NOT_SETTLED
+
+
+@dataclass(frozen=True)
+class SeedSet:
+    """One seed set's comparison: its rows (``tasks.summary.compare``'s, with ``per_seed``) and
+    reward target, computed from that set's runs alone."""
+
+    name: str  # "A" (the seeds) or "B" (the replicate seeds)
+    seeds: tuple[int, ...]
+    rows: Rows
+    target: float | None
+
+
+def seed_set(name: str, records: Sequence[dict[str, Any]], seeds: Sequence[int], target_fraction: float,
+             smooth_frac: float) -> SeedSet:
+    """The comparison of the runs on ``seeds`` only (``records``: a flow's, with ``seed`` and
+    ``history_path``). The target is this set's own, so the other set's runs move none of its
+    figures: each set is judged as if it had been the only run."""
+    chosen = [ArmRun.of({**r, "history": read_history(r["history_path"])}) for r in records if r["seed"] in seeds]
+    comp = compare(chosen, target_fraction, smooth_frac)
+    return SeedSet(name, tuple(seeds), comp.rows, comp.target)
+
+
 def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
     """The comparison's rows per placement (a3po.config.axes.PLACEMENTS), each named by its arm
     without the placement and the staleness bound (the claims' arms share the comparison's bound), so a
@@ -265,44 +313,95 @@ def _check(rows: Rows, target: float | None, claims: Sequence[Claim]) -> list[di
     return out
 
 
+def check_sets(sets: Sequence[SeedSet], claims: Sequence[Claim] = CLAIMS) -> list[dict[str, Any]]:
+    """The claims on one or two seed sets. One: :func:`check_claims`'s results as they are. Two:
+    one result per claim (and placement) with each set's figure, verdict and reason in ``sets``
+    (in order) and ``verdict`` the two verdicts combined (:func:`combine`)."""
+    if len(sets) not in (1, 2):
+        raise ValueError(f"claims are judged on one seed set or on two (a replication), got {len(sets)}")
+    judged = [{r["claim"]: r for r in check_claims(s.rows, s.target, claims)} for s in sets]
+    if len(sets) == 1:
+        return list(judged[0].values())
+    out = []
+    for key in dict.fromkeys(k for by_claim in judged for k in by_claim):
+        per_set = []
+        for s, by_claim in zip(sets, judged, strict=True):
+            r = by_claim.get(key, {"testbed": "-", "values": {}, "verdict": NOT_MEASURABLE, "reason": f"no runs of it on set {s.name}"})
+            per_set.append({"set": s.name, "seeds": list(s.seeds), "target": s.target,
+                            **{k: r[k] for k in ("testbed", "values", "verdict", "reason")}})
+        first = next(by_claim[key] for by_claim in judged if key in by_claim)
+        verdicts = [p["verdict"] for p in per_set]
+        out.append({**{k: first[k] for k in ("claim", "statement", "paper", "source", "quantity", "rule", "placement")},
+                    "sets": per_set, "verdict": combine(*verdicts),
+                    "reason": "; ".join(f"set {s.name}: {v}" for s, v in zip(sets, verdicts, strict=True))})
+    return out
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _row_md(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(_cell(x) for x in cells) + " |"
+
+
 def claims_markdown(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["| claim | paper | this testbed | verdict | reason |", "|---|---|---|---|---|"]
-    for r in results:
-        lines.append(
-            "| "
-            + " | ".join(_cell(x) for x in (f"{r['statement']} ({r['claim']})", r["paper"], r["testbed"], f"**{r['verdict']}**", r["reason"]))
-            + " |"
-        )
+    """The claims table: one set's figure, verdict and reason, or two sets side by side with
+    the combined verdict (results of :func:`check_sets`)."""
+    replicated = any("sets" in r for r in results)
+    if replicated:
+        a, b = (f"set {p['set']} (seeds {', '.join(map(str, p['seeds']))})" for p in results[0]["sets"])
+        lines = [f"| claim | paper | {a} | verdict A | {b} | verdict B | combined |", "|---|---|---|---|---|---|---|"]
+        lines += [_row_md([f"{r['statement']} ({r['claim']})", r["paper"],
+                           *(x for p in r["sets"] for x in (p["testbed"], f"**{p['verdict']}**: {p['reason']}")), f"**{r['verdict']}**"])
+                  for r in results]
+    else:  # the combined column says a single set's verdict is not replicated, so none reads as settled
+        lines = ["| claim | paper | this testbed | verdict | reason | combined |", "|---|---|---|---|---|---|"]
+        lines += [_row_md([f"{r['statement']} ({r['claim']})", r["paper"], r["testbed"], f"**{r['verdict']}**", r["reason"],
+                           NOT_MEASURABLE if r["verdict"] == NOT_MEASURABLE else NOT_REPLICATED]) for r in results]
     lines += ["", "Sources of the paper's figures:", ""] + list(dict.fromkeys(f"- {r['claim']}: {r['source']}" for r in results))
     lines += ["", "Rule (tasks/claims.py): reproduced iff the value passes its threshold on every seed; "
               "not measurable here when the quantity does not exist in this run."]
+    if replicated:
+        lines.append("Each claim is judged on each seed set alone (its runs, its own reward target). Combined: the same verdict on both "
+                     f"sets stands; {NOT_MEASURABLE} when either set cannot measure it; {NOT_SETTLED} when the sets disagree.")
+    else:
+        lines.append("One seed set: no verdict here is replicated; --replicate-seeds judges every claim again on a second, disjoint set.")
     return "\n".join(lines) + "\n"
 
 
 def claims_metrics(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """``claims/<key>/reproduced`` (1 or 0; absent when not measurable), ``.../mean`` of the values."""
+    """``claims/<key>/reproduced`` (1 or 0; absent when not measurable) and ``claims/reproduced``
+    (the count) of each claim's verdict, the combined one when two sets were judged. One set:
+    ``claims/<key>/mean`` of its values. Two: ``claims/<key>/set_a|set_b/reproduced|mean`` per set
+    and ``claims/not_settled`` (the count)."""
     m: dict[str, float] = {}
     for r in results:
+        key = f"claims/{r['claim']}"
         if r["verdict"] != NOT_MEASURABLE:
-            m[f"claims/{r['claim']}/reproduced"] = float(r["verdict"] == REPRODUCED)
-            m[f"claims/{r['claim']}/mean"] = _mean(list(r["values"].values()))
+            m[f"{key}/reproduced"] = float(r["verdict"] == REPRODUCED)
+            if "sets" not in r:
+                m[f"{key}/mean"] = _mean(list(r["values"].values()))
+        for p in r.get("sets", []):
+            if p["verdict"] != NOT_MEASURABLE:
+                m[f"{key}/set_{p['set'].lower()}/reproduced"] = float(p["verdict"] == REPRODUCED)
+                m[f"{key}/set_{p['set'].lower()}/mean"] = _mean(list(p["values"].values()))
     m["claims/reproduced"] = float(sum(r["verdict"] == REPRODUCED for r in results))
+    if any("sets" in r for r in results):
+        m["claims/not_settled"] = float(sum(r["verdict"] == NOT_SETTLED for r in results))
     return {k: v for k, v in m.items() if math.isfinite(v)}
 
 
 @task(cache_policy=NO_CACHE)
-def report_claims(summary: dict[str, Any], out_dir: str, header: str) -> dict[str, Any]:
-    """Judge the claims on a comparison summary (``tasks.summary.summarise``'s); write claims.md
-    (``header`` first) and claims.json to ``out_dir``."""
-    results = check_claims(summary["rows"], summary["target"])
+def report_claims(sets: Sequence[SeedSet], out_dir: str, header: str) -> dict[str, Any]:
+    """Judge the claims on one seed set's comparison or on two (:func:`check_sets`); write
+    claims.md (``header`` first) and claims.json to ``out_dir``."""
+    results = check_sets(sets)
     md = claims_markdown(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "claims.md").write_text(f"{header}\n\n{md}")
-    (out / "claims.json").write_text(json.dumps({"results": results, "target": summary["target"]}, indent=1))
+    targets = {"target": sets[0].target} if len(sets) == 1 else {"targets": {s.name: s.target for s in sets}}
+    (out / "claims.json").write_text(json.dumps({"results": results, **targets}, indent=1))
     return {"results": results, "markdown": md, "metrics": claims_metrics(results), "artifacts": [str(out / "claims.md"), str(out / "claims.json")]}
 

@@ -19,9 +19,10 @@ from prefect.cache_policies import NO_CACHE
 
 from a3po.config import TrainConfig, config_to_dict
 from a3po.storage.checkpoint import atomic_write_text
+from a3po.training.actions import FILE as ACTIONS_FILE
 from infra.launch import LaunchMode, LaunchSpec
 from tasks.arms import Arm
-from tasks.child_run import log_final, log_tables, open_child_run, run_topology, topology_tags, write_history
+from tasks.child_run import log_actions, log_final, log_tables, open_child_run, run_topology, topology_tags, write_history
 from tasks.launch import LaunchRecord, launch_ranks
 from tasks.runtime import run_logger
 from tasks.tracking import MlflowMetricLogger, TrackingRef, client_for, last_logged_step, log_params, metric_steps
@@ -127,7 +128,7 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, float]]:
 
 @task(cache_policy=NO_CACHE)
 def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | None, run_id: str | None, launched: LaunchRecord) -> RunRecord:
-    """Read what the launched CLI wrote (result.json, metrics.jsonl) into a RunRecord and the child run."""
+    """Read what the launched CLI wrote (result.json, metrics.jsonl, actions.jsonl) into a RunRecord and the child run."""
     rd, out = Path(run_dir), cli_run_dir(run_dir, cfg)
     result_path = out / "result.json"
     if not result_path.exists():
@@ -147,6 +148,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         log_final(client, run_id, history, final_acc, **{"launch/wall_s": launched.wall_s})
         client.set_tag(run_id, "a3po.resumed_from", str(result.get("resumed_from") or 0))
         log_tables(client, run_id, out / "completions", run_logger())
+        log_actions(client, run_id, out / ACTIONS_FILE, run_logger())
         client.set_terminated(run_id, status="FINISHED")
     return RunRecord(
         variant=result["variant"], arm=Arm.of(cfg).name, seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),

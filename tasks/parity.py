@@ -79,17 +79,30 @@ class Calibration:
 
     healthy_mean: float  # mu_h
     noise_sd: float  # sigma
-    seeds: int  # how many seeds measured them
+    measured_on: tuple[int, ...]  # the seeds that measured them
     command: str  # how they were measured
+
+    @property
+    def seeds(self) -> int:
+        """N, the number of calibration seeds (the t quantile's N - 1 degrees of freedom)."""
+        return len(self.measured_on)
+
+    def shared_with(self, seeds: Sequence[int]) -> list[int]:
+        """The given seeds the calibration was measured on: a night on them is judged in sample
+        (its own noise is part of the threshold it is held to, and passes more often)."""
+        return sorted(set(seeds) & set(self.measured_on))
 
 
 # Measured by bench.nightly_power (docs/results.md, "Nightly power"); the shortfall rule's
 # defaults where the nightly runs these settings: (preset, RL steps) with candidate loglinear,
-# references recompute and sync, metric final_reward (smooth_frac 0.25).
+# references recompute and sync, metric final_reward (smooth_frac 0.25). The nightly's budget is
+# calibrated on seeds 10-19, none of the nightly's (NIGHTLY_SEEDS), and was checked on nights drawn
+# from seeds 0-9 held out of it; the 150-step one (a budget no deployment runs) on seeds 0-9, so a
+# night on seeds 0-5 at 150 steps is judged in sample, and its rule's note says so.
 CALIBRATIONS: dict[tuple[str, int], Calibration] = {
-    ("tiny", 75): Calibration(healthy_mean=-0.0053, noise_sd=0.0177, seeds=10,
-                              command="python -m bench.nightly_power --steps 75 --seeds 0-9"),
-    ("tiny", 150): Calibration(healthy_mean=-0.0125, noise_sd=0.0322, seeds=10,
+    ("tiny", 75): Calibration(healthy_mean=-0.0083, noise_sd=0.0104, measured_on=tuple(range(10, 20)),
+                              command="python -m bench.nightly_power --steps 75 --seeds 10-19 --holdout-seeds 0-9"),
+    ("tiny", 150): Calibration(healthy_mean=-0.0125, noise_sd=0.0322, measured_on=tuple(range(10)),
                                command="python -m bench.nightly_power --steps 150 --seeds 0-9"),
 }
 CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")

@@ -31,12 +31,14 @@ from prefect.cache_policies import NO_CACHE
 from a3po.config import TrainConfig
 from a3po.devices import machine_precision, resolve_device
 from a3po.storage.runlock import RunFolderBusy, hold_run_folder
+from a3po.training.actions import FILE as ACTIONS_FILE
 from a3po.training.metrics import FanoutLogger, JsonlLogger
 from a3po.training.run import prepare_warmstart, warmstart_folder, warmstart_problem
 from a3po.training.run import train_variant as library_train_variant
 from tasks.arms import Arm
 from tasks.child_run import (
     config_hash,
+    log_actions,
     log_final,
     log_tables,
     mark_failed_quietly,
@@ -186,6 +188,7 @@ def _train_locked(
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
             client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
         log_tables(client, run_id, rd / "completions", log)
+        log_actions(client, run_id, rd / ACTIONS_FILE, log)  # what the guard and the staleness bound did, and why
         if shipper.outages:
             log.warning(
                 f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; "

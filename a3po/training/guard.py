@@ -9,8 +9,9 @@ extra work is one minibatch's forward every ``guard_every`` steps, whatever fire
 ``recompute`` policy adds a full-batch forward, on the steps where it fires. The drift of the
 training forward across a step's later minibatches is not part of what it measures.
 
-Its figures and actions are metrics (``guard/*``, every checked step) and a warning on the
-``a3po.guard`` logger naming the step, the bounds crossed and the action.
+Its figures and actions are metrics (``guard/*``, every checked step), a warning on the
+``a3po.guard`` logger naming the step, the bounds crossed and the action, and the same as a row of
+the run's actions (:mod:`a3po.training.actions`) where the loop keeps them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from a3po.devices import synchronize
 from a3po.models.logprobs import token_logprobs
 from a3po.parallel.ranks import Ranks
 from a3po.producer.producer import ScoredBatch
+from a3po.training.actions import Action, OnAction
 
 log = logging.getLogger("a3po.guard")
 
@@ -44,12 +46,14 @@ class GuardVerdict:
 
 class ApproximationGuard:
     """The run's guard: which steps it checks, the check, and the staleness bound it holds in force
-    (lowered by the ``tighten`` policy; the loop hands a lowered bound to the producer's admission)."""
+    (lowered by the ``tighten`` policy; the loop hands a lowered bound to the producer's admission).
+    ``on_action`` takes each firing's :class:`~a3po.training.actions.Action` on the main rank."""
 
-    def __init__(self, rl: RLConfig, bound: int) -> None:
+    def __init__(self, rl: RLConfig, bound: int, on_action: OnAction | None = None) -> None:
         self.every, self.bounds = rl.guard_every, GuardBounds(rl.guard_max_err, rl.guard_max_iw)
         self.policy_name, self.policy = rl.guard_policy, GUARD_POLICIES.get(rl.guard_policy)
         self.bound = bound
+        self.on_action = on_action
 
     def due(self, version: int) -> bool:
         """Whether step ``version`` (0-based: the guard_every-th, 2 guard_every-th ... steps) is checked."""
@@ -91,5 +95,18 @@ class ApproximationGuard:
             if ranks.is_main:
                 log.warning("step %d: the proximal approximation crossed its bounds (%s); rl.guard_policy %r: %s",
                             version + 1, "; ".join(reasons), self.policy_name, action)
+                if self.on_action is not None:
+                    figures = {**self._crossed(stats), "guard/bound": float(self.bound)}
+                    self.on_action(Action(version + 1, "guard", f"rl.guard_policy {self.policy_name}", action,
+                                          "; ".join(reasons), figures))
         metrics["guard/bound"] = float(self.bound)
         return verdict
+
+    def _crossed(self, stats: dict[str, float]) -> dict[str, float]:
+        """The figures of ``stats`` past their bounds, each with its bound."""
+        out = {}
+        if stats["guard/abs_err_p99"] > self.bounds.max_err:
+            out.update({"guard/abs_err_p99": stats["guard/abs_err_p99"], "rl.guard_max_err": self.bounds.max_err})
+        if stats["guard/behav_iw_p99"] > self.bounds.max_iw:
+            out.update({"guard/behav_iw_p99": stats["guard/behav_iw_p99"], "rl.guard_max_iw": self.bounds.max_iw})
+        return out

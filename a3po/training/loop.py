@@ -24,6 +24,7 @@ from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer
 from a3po.producer.producer import RolloutProducer, ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.storage.checkpoint import save_checkpoint
+from a3po.training.actions import ActionLog
 from a3po.training.completions import CompletionTables
 from a3po.training.evaluations import Evaluated, Evaluations, HeldOut
 from a3po.training.extensions import Extension, IntraCritic, ProducerCarryOver
@@ -118,6 +119,7 @@ def rl_train(
     completions_dir: str | None = None,
     ranks: Ranks | None = None,
     plan: RunPlan | None = None,
+    actions_path: str | None = None,
 ) -> TrainResult:
     """RL-train ``policy`` in place; resumes from the newest intact checkpoint in ``ckpt_dir``
     (raises :class:`~a3po.storage.checkpoint.NoIntactCheckpoint` when there are checkpoints but none is
@@ -127,7 +129,9 @@ def rl_train(
     ``model.lora`` peft injects adapters into ``policy`` (:func:`a3po.models.lora.with_lora`) and only they train.
     ``rl.eval_mode``: the held-out evaluations run in this thread or beside training, with the same
     record (:mod:`a3po.training.evaluations`; a checkpoint may record its own step's as pending, and
-    a run resumed from it evaluates the restored weights first).
+    a run resumed from it evaluates the restored weights first). With ``actions_path``, what the guard
+    and the staleness bound in force did, and why, goes there a row each (:mod:`a3po.training.actions`;
+    rows of steps after the checkpoint are removed, as the logger is rewound).
 
     Under a launcher with ``distributed.deepspeed_config`` set, every rank calls this; rank 0
     alone evaluates (the figures are broadcast), logs, reports progress and writes checkpoints.
@@ -162,6 +166,9 @@ def rl_train(
                               precision=plan.precision.name)
     resumed_from = resumed.step if resumed is not None else None  # run.step moves on with the loop
     rewind_logger(logger, run.step, run.history)  # a file logger drops lines of steps after the checkpoint
+    actions = ActionLog(actions_path) if actions_path and ranks.is_main else None
+    if actions is not None:
+        actions.rewind(run.step)  # the resumed run records them again
     tables = None
     if completions_dir and rl.log_completions and ranks.is_main:
         tables = CompletionTables(completions_dir, rl.log_completions, train_rows, heldout_rows)
@@ -183,8 +190,10 @@ def rl_train(
         run.pending_evaluation = None
     producer, extensions = _start_producer(cfg, plan, ppo, tokenizer, rollout_inputs, store, resumed, run.step, ranks)
     method = PROXIMAL_METHODS.get(plan.proximal)
-    guard = ApproximationGuard(rl, plan.max_staleness) if rl.guard_every else None  # rl.guard_every: 0 is off
-    bound = StalenessBound(rl, plan, guard, ranks)  # the bound in force (rl.staleness_control), under the guard's
+    on_action = actions.record if actions is not None else None  # each firing of the guard, each move of the bound
+    guard = ApproximationGuard(rl, plan.max_staleness, on_action) if rl.guard_every else None  # guard_every 0: off
+    # the bound in force (rl.staleness_control), under the guard's
+    bound = StalenessBound(rl, plan, guard, ranks, on_action)
     producer.start()
     t_run = time.perf_counter()  # the RL loop (setup and warm-start evaluation aside)
     last_ckpt = run.path

@@ -34,7 +34,8 @@ the step's batch, all minibatches together.
                                         and lowered by the guard's ``tighten``
                                         (``a3po.training.staleness``); 0 for sync
 ``staleness/bound_changed``             this step's move of that bound: +1, -1 or 0 (the
-                                        reason goes to the ``a3po.staleness`` log)
+                                        reason goes to the ``a3po.staleness`` log and a row
+                                        of the run's actions: ``a3po.training.actions``)
 ``prox/time_s``                         wall time to obtain proximal log-probs this step
 ``prox/approx_abs_err|approx_iw_err``   (``proximal: metrics``) mean |loglinear - recomputed|
                                         log-prob, and the mean |exp(difference) - 1| it puts
@@ -48,7 +49,8 @@ the step's batch, all minibatches together.
 ``guard/tokens``                        ... how many tokens were compared
 ``guard/fired``                         1 when a bound was crossed (``rl.guard_max_err``,
                                         ``rl.guard_max_iw``; the reason goes to the
-                                        ``a3po.guard`` log), else 0
+                                        ``a3po.guard`` log and a row of the run's actions:
+                                        ``a3po.training.actions``), else 0
 ``guard/over_max_err|over_max_iw``      ... which bound: 1 where ``guard/abs_err_p99``
                                         passed ``rl.guard_max_err``, resp.
                                         ``guard/behav_iw_p99`` passed ``rl.guard_max_iw``
@@ -225,6 +227,34 @@ def read_metrics_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
+def cut_torn_line(path: str | Path) -> None:
+    """Cut the last line of ``path`` when it has no newline (a process killed mid-write)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def append_line(path: str | Path, line: bytes) -> None:
+    """Append ``line`` (ending in a newline) to ``path`` in one ``write`` on an append-only file
+    descriptor: a killed process leaves at most a torn last line, and a failed write (a full disk)
+    is cut back so no partial line stays."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(f"{path}: short write (disk full?)")
+        except OSError:
+            os.ftruncate(fd, size)  # no half line
+            raise
+    finally:
+        os.close(fd)
+
+
 class JsonlLogger:
     """``{"step": s, **metrics}`` per line. Each line is one ``write`` on an append-only file
     descriptor; a failed write (a full disk) is cut back so no partial line stays. A torn last
@@ -238,29 +268,13 @@ class JsonlLogger:
 
     def repair(self) -> None:
         """Cut a last line that has no newline (a crash mid-write)."""
-        if not self.path.exists():
-            return
-        with open(self.path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
+        cut_torn_line(self.path)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self._repaired:
             self.repair()
             self._repaired = True
-        line = _jsonl_line(step, metrics)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            try:
-                if os.write(fd, line) != len(line):
-                    raise OSError(f"{self.path}: short write (disk full?)")
-            except OSError:
-                os.ftruncate(fd, size)  # no half line
-                raise
-        finally:
-            os.close(fd)
+        append_line(self.path, _jsonl_line(step, metrics))
 
     def rewind(self, step: int, history: list[dict[str, float]]) -> None:
         """Rewrite the file atomically as: its step-0 lines (logged before the first RL step,

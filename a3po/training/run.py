@@ -38,6 +38,7 @@ from a3po.placement.rollout_workers import serve_rollouts
 from a3po.producer.weight_store import Retention
 from a3po.storage.atomic import atomic_write_text, save_pretrained_atomic
 from a3po.storage.content import folder_hashes, record_problem
+from a3po.training.actions import FILE as ACTIONS_FILE
 from a3po.training.heldout import evaluate_heldout
 from a3po.training.inputs import input_hashes
 from a3po.training.loop import TrainResult, checked_rollout_inputs, rl_train
@@ -121,7 +122,8 @@ def train_variant(
     ranks: Ranks | None = None,
 ) -> TrainResult | None:
     """RL-train one variant/seed from the warm start; resumes from ``run_dir/checkpoints``,
-    writes the completion tables to ``run_dir/completions`` (a3po.training.completions) and
+    writes the completion tables to ``run_dir/completions`` (a3po.training.completions), the guard's
+    and the staleness controller's actions to ``run_dir/actions.jsonl`` (a3po.training.actions) and
     exports the final weights to ``run_dir/final`` (an HF model directory; with ``model.lora``
     the adapters merged into the base weights, so it loads like any model of the base's class). On a rollout
     worker's rank (``distributed.rollout_workers``) this serves the trainer batches until the run
@@ -158,7 +160,7 @@ def train_variant(
     result = rl_train(
         cfg, model, tokenizer, train_rows, heldout_rows,
         ckpt_dir=str(run_dir / "checkpoints"), logger=logger, warmstart_acc=warmstart_acc, progress=progress,
-        completions_dir=str(run_dir / "completions"), ranks=ranks, plan=plan,
+        completions_dir=str(run_dir / "completions"), ranks=ranks, plan=plan, actions_path=str(run_dir / ACTIONS_FILE),
     )
     if not ranks.is_main:
         return result  # trainer ranks other than 0 write nothing

@@ -8,7 +8,23 @@ import json
 
 import pytest
 
-from tasks.claims import CLAIMS, NOT_MEASURABLE, NOT_REPRODUCED, REPRODUCED, Rule, check_claims, claims_markdown, spread
+from tasks.claims import (
+    CLAIMS,
+    NOT_MEASURABLE,
+    NOT_REPLICATED,
+    NOT_REPRODUCED,
+    NOT_SETTLED,
+    REPRODUCED,
+    Rule,
+    SeedSet,
+    check_claims,
+    check_sets,
+    claims_markdown,
+    claims_metrics,
+    combine,
+    seed_set,
+    spread,
+)
 
 
 def _row(variant, seeds):
@@ -110,6 +126,103 @@ def test_spread_and_markdown():
     assert spread([-0.02, 0.0]) == "-0.01 +- 0.014 (-0.02..+0, 2 seeds)"
     md = claims_markdown(check_claims([_row("loglinear", {0: _fig(0.001, 60.0, 0.6, 5.0, 0.0)})], None))
     assert sum(line.startswith("| ") for line in md.splitlines()) == len(CLAIMS) + 1  # the header and one row per claim
+
+
+def test_two_verdicts_combine_into_one_and_a_disagreement_is_not_settled():
+    R, N, M = REPRODUCED, NOT_REPRODUCED, NOT_MEASURABLE
+    expected = {  # (set A, set B) -> combined: every pair of the three verdicts
+        (R, R): R, (N, N): N, (M, M): M,
+        (R, N): NOT_SETTLED, (N, R): NOT_SETTLED,
+        (R, M): M, (M, R): M, (N, M): M, (M, N): M,
+    }
+    assert {pair: combine(*pair) for pair in expected} == expected
+    with pytest.raises(ValueError, match="a seed set's verdict is one of"):
+        combine(R, NOT_SETTLED)  # a combined verdict is not a set's
+
+
+def test_a_replicate_set_sharing_a_seed_is_refused_naming_both_lists(capsys):
+    from pydantic import ValidationError
+
+    from flows.paper_claims import ClaimsSpec, main
+
+    with pytest.raises(ValidationError, match=r"replicate_seeds \[2, 3\] share seed\(s\) \[2\] with seeds \[0, 1, 2\]"):
+        ClaimsSpec(seeds=[0, 1, 2], replicate_seeds=[2, 3])
+    with pytest.raises(ValidationError, match=r"replicate_seeds repeat \[3\]"):
+        ClaimsSpec(replicate_seeds=[3, 3])
+    assert ClaimsSpec(seeds=[0, 1], replicate_seeds=[2, 3]).seed_sets() == {"A": [0, 1], "B": [2, 3]}
+    assert ClaimsSpec(seeds=[0, 1]).seed_sets() == {"A": [0, 1]}
+    # From the command line: refused before anything starts, the line naming the option.
+    assert main(["--preset", "micro", "--seeds", "0,1", "--replicate-seeds", "1,2"]) == 2
+    assert "error: --replicate-seeds: replicate_seeds [1, 2] share seed(s) [1] with seeds [0, 1]" in capsys.readouterr().err
+
+
+def _two_sets():
+    """Set A (seeds 0, 1): every claim reproduced, as in the first test. Set B (seeds 2, 3): the
+    same but loglinear's reward on seed 3 is 0.50 (gap 0.50 - 0.62 = -0.12 < -0.05: not
+    reproduced) and sync never reaches the target on seed 3 (ttt_vs_sync not measurable)."""
+    sync, rc, ll = _fig(0.0001, 80.0, 0.6, 1.0, 0.004), _fig(0.05, 100.0, 0.62, 15.0, 0.002), _fig(0.001, 60.0, 0.60, 5.0, 0.001)
+    a = [_row("sync", {0: sync, 1: sync}), _row("recompute", {0: rc, 1: rc}), _row("loglinear", {0: ll, 1: ll})]
+    b = [_row("sync", {2: sync, 3: {**sync, "time_to_target_s": None}}), _row("recompute", {2: rc, 3: rc}),
+         _row("loglinear", {2: ll, 3: {**ll, "final_reward": 0.50}})]
+    return [SeedSet("A", (0, 1), a, 0.5), SeedSet("B", (2, 3), b, 0.5)]
+
+
+def test_a_claim_that_flips_between_seed_sets_is_not_settled():
+    results = check_sets(_two_sets())
+    by_claim = {r["claim"]: r for r in results}
+    assert {k: r["verdict"] for k, r in by_claim.items()} == {
+        "prox_time": REPRODUCED, "ttt_vs_recompute": REPRODUCED, "ttt_vs_sync": NOT_MEASURABLE,
+        "reward_parity": NOT_SETTLED, "behav_iw_extremes": REPRODUCED, "clipped_tokens": REPRODUCED}
+    parity = by_claim["reward_parity"]
+    assert [(p["set"], p["seeds"], p["verdict"]) for p in parity["sets"]] == [("A", [0, 1], REPRODUCED), ("B", [2, 3], NOT_REPRODUCED)]
+    assert parity["sets"][1]["values"] == {"2": pytest.approx(-0.02), "3": pytest.approx(-0.12)}  # 0.60 - 0.62, 0.50 - 0.62
+    md = claims_markdown(results)
+    assert "| claim | paper | set A (seeds 0, 1) | verdict A | set B (seeds 2, 3) | verdict B | combined |" in md
+    line = next(x for x in md.splitlines() if "(reward_parity)" in x)
+    cells = [c.strip() for c in line.strip("|").split(" | ")]
+    assert len(cells) == 7 and cells[3].startswith("**reproduced**") and cells[5].startswith("**not reproduced**")
+    assert cells[6] == "**not settled**" and "(seed 3: -0.12)" in cells[5]
+    assert sum(x.startswith("| ") for x in md.splitlines()) == len(CLAIMS) + 1
+    m = claims_metrics(results)
+    # Per set under its own name; the combined verdict under the single set's keys (4 reproduced on both sets).
+    assert (m["claims/reward_parity/set_a/reproduced"], m["claims/reward_parity/set_b/reproduced"]) == (1.0, 0.0)
+    assert m["claims/reward_parity/set_b/mean"] == pytest.approx(-0.07)  # (-0.02 - 0.12) / 2
+    assert (m["claims/reward_parity/reproduced"], m["claims/reproduced"], m["claims/not_settled"]) == (0.0, 4.0, 1.0)
+    assert "claims/ttt_vs_sync/reproduced" not in m and "claims/ttt_vs_sync/set_a/reproduced" in m
+    assert "claims/reward_parity/mean" not in m  # a mean over both sets would mix two targets
+
+
+def test_one_seed_set_keeps_its_verdicts_and_says_they_are_not_replicated():
+    a = _two_sets()[0]
+    results = check_sets([a])
+    assert results == check_claims(a.rows, a.target)
+    md = claims_markdown(results)
+    assert sum(NOT_REPLICATED in x for x in md.splitlines() if x.startswith("| ")) == len(CLAIMS)  # every claim was measured
+    assert NOT_SETTLED not in md
+    m = claims_metrics(results)
+    assert m["claims/reward_parity/mean"] == pytest.approx(-0.02) and m["claims/reproduced"] == len(CLAIMS)
+    assert not [k for k in m if "/set_" in k or k == "claims/not_settled"]
+
+
+def test_each_seed_set_is_judged_on_its_own_runs_and_target(tmp_path):
+    # Two steps per run, smooth_frac 0.5 -> a window of 1 step: final reward = last reward.
+    # Set A (seed 0): recompute 0 -> 1.0, loglinear 0 -> 0.5: target 0 + 0.5 x (1.0 - 0) = 0.5.
+    # Set B (seed 1): both 0 -> 0.2: target 0.1, which both reach at step 2 (wall 20 s and 30 s).
+    # Over both sets the target would be 0.5 x 0.6 = 0.3 (recompute's mean final) and set B would reach nothing.
+    last = {("recompute", 0): 1.0, ("loglinear", 0): 0.5, ("recompute", 1): 0.2, ("loglinear", 1): 0.2}
+    records = []
+    for (variant, seed), reward in last.items():
+        path = tmp_path / f"{variant}-{seed}.jsonl"
+        wall = 20.0 if variant == "recompute" else 30.0
+        path.write_text("\n".join(json.dumps({"step": i + 1, "reward/mean": r, "perf/step_time_s": 1.0, "time/train_wall_s": w})
+                                   for i, (r, w) in enumerate([(0.0, 10.0), (reward, wall)])))
+        records.append({"variant": variant, "seed": seed, "history_path": str(path), "warmstart_acc": 0.0, "final_acc": 0.0})
+    a, b = (seed_set(name, records, seeds, 0.5, 0.5) for name, seeds in (("A", [0]), ("B", [1])))
+    assert (a.target, b.target) == (pytest.approx(0.5), pytest.approx(0.1))
+    assert {r["variant"]: [f["seed"] for f in r["per_seed"]] for r in b.rows} == {"recompute": [1], "loglinear": [1]}
+    assert {r["variant"]: r["per_seed"][0]["time_to_target_s"] for r in b.rows} == {"recompute": 20.0, "loglinear": 30.0}
+    ttt = {r["claim"]: r for r in check_sets([a, b])}["ttt_vs_recompute"]
+    assert [p["values"] for p in ttt["sets"]] == [{"0": pytest.approx(20 / 30)}, {"1": pytest.approx(20 / 30)}]
 
 
 def test_paper_claims_flow_end_to_end(prefect_server, tmp_path):

@@ -41,7 +41,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
 
     from a3po.grading import score
     from eval.data import BENCHMARKS
-    from flows.compare_variants import CompareSpec, compare_variants
+    from flows.compare_variants import CompareSpec, compare_variants, printed_summary
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     kw = dict(preset="micro", seeds=[0], steps=6, tracking_uri=uri, experiment="e2e", output_dir=str(tmp_path / "out"),
@@ -101,7 +101,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         assert any(k.startswith("system/") for k in client.get_run(child["run_id"]).data.metrics)
     assert children["tags.a3po.run_dir"].map(lambda d: (Path(d) / "checkpoints" / "latest").exists()).all()
 
-    assert {"comparison.md", "comparison.csv", "reward_curves.png", "stability.png", "summary.json"} <= {
+    assert {"comparison.md", "comparison.csv", "reward_curves.png", "stability.png", "summary.json", "pairs.md"} <= {
         a.path for a in client.list_artifacts(parent["run_id"])
     }
     for key in (
@@ -109,9 +109,17 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         "speedup/loglinear_vs_recompute/step_time",
         "delta/loglinear_vs_recompute/final_reward",
         "summary/loglinear/final_acc",
+        "pairs/loglinear_vs_sync/step_time_ratio",
+        "pairs/loglinear_vs_recompute/reward_diff",
     ):
         assert key in client.get_run(parent["run_id"]).data.metrics, key
+    assert "pairs/loglinear_vs_sync/step_time_ratio_lo" not in client.get_run(parent["run_id"]).data.metrics  # one seed: no interval
     assert "| loglinear |" in res["summary"]["table_md"]
+    # Printed after the comparison table: the pairs, one seed each, so nothing settled and no reward verdict.
+    printed = printed_summary(res["summary"])
+    assert printed.index("| loglinear |") < printed.index("| arm vs baseline | seeds |")
+    row = next(line for line in printed.splitlines() if line.startswith("| loglinear vs sync | 1 |"))
+    assert "(1 seed: no interval) | not settled (1 seed) |" in row and row.endswith("| no calibration for micro at 6 steps |")
 
     # Run again on the same output dir: dataset / warm start / evaluation come from Prefect's
     # cache and the finished runs resume at their last step instead of retraining.
@@ -123,7 +131,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     second = runs[runs["tags.mlflow.parentRunId"] == again["parent_run_id"]]
     assert len(second) == 3 and set(second["tags.a3po.backfilled_steps"]) == {"6"}  # full record in the new child runs
     flow_run_id = runs[runs["run_id"] == again["parent_run_id"]].iloc[0]["tags.prefect.flow_run_id"]
-    states = _task_states(flow_run_id, expect=16)  # parent open + links + log + close, dataset, warm start, 3 x (train, evaluate, log), summary
+    states = _task_states(flow_run_id, expect=17)  # parent open + links + log + close, dataset, warm start, 3x (train, evaluate, log), summary, pairs
     assert states["prepare_dataset"] == states["warm_start"] == {"Cached"}
     assert states["evaluate_checkpoint"] == {"Cached"} and states["train_arm"] == {"Completed"}
 
@@ -134,7 +142,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         shutil.rmtree(d)
     third = compare_variants(CompareSpec(**kw))
     fr = _search(uri, "e2e").set_index("run_id").loc[third["parent_run_id"], "tags.prefect.flow_run_id"]
-    states = _task_states(fr, expect=16)
+    states = _task_states(fr, expect=17)
     assert states["prepare_dataset"] == states["warm_start"] == {"Completed"}
     assert Path(third["runs"][0]["warmstart"]["dir"]).is_dir()
     assert [r["final_acc"] for r in third["runs"]] == [r["final_acc"] for r in res["runs"]]

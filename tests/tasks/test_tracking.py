@@ -215,15 +215,18 @@ def test_set_overrides():
         parse_sets(["loglinear:data.n_train=5"])
 
 
-def test_train_task_retry_reuses_its_child_run(store):
+def test_train_task_retry_reuses_its_child_run(store, core_stub_rewards):
     """A Prefect retry calls the task again in the same flow run: it must find its child run,
-    resume from the checkpoint and log nothing twice (the task through ``.fn()``)."""
+    resume from the checkpoint and log nothing twice (the task through ``.fn()``). The run's guard
+    fires (lr far too high, bound 4, rewards that vary: tests/training/test_guard.py), so its actions
+    reach the run too."""
     from a3po.config import preset, with_overrides
     from tasks.tracking import TrackingRef
     from tasks.training import run_dir_for, train_arm, warm_start
 
     client, exp, uri, tmp_path = store
-    cfg = with_overrides(preset("micro"), rl={"steps": 4})
+    drift = {"guard_every": 1, "lr": 0.05, "lr_warmup_steps": 0, "lr_schedule": "constant", "max_staleness": 4}
+    cfg = with_overrides(preset("micro"), rl={"steps": 4, **drift})
     ref = TrackingRef(uri, exp, create_run(client, exp, "parent", {"a3po.role": "parent"}))
     ws = warm_start.fn(cfg, str(tmp_path / "cache"))
     run_dir = str(run_dir_for(tmp_path / "out", cfg))
@@ -237,6 +240,17 @@ def test_train_task_retry_reuses_its_child_run(store):
         "completions/step_000002.json", "completions/step_000004.json"]
     table = client.download_artifacts(first.mlflow_run_id, "completions/step_000004.json", str(tmp_path / "tables"))
     assert len(json.loads(Path(table).read_text())["data"]) == 16
+    # The guard's actions (steps 2-4; step 1 is on-policy), as a table the run page shows, once.
+    run = client.get_run(first.mlflow_run_id)
+    assert {"path": "actions.json", "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    actions = json.loads(Path(client.download_artifacts(first.mlflow_run_id, "actions.json", str(tmp_path / "acts"))).read_text())
+    assert actions["columns"] == ["step", "source", "setting", "action", "reason", "figures"]
+    assert [r[:4] for r in actions["data"]] == [[s, "guard", "rl.guard_policy warn", "no change"] for s in (2, 3, 4)]
+    assert all(r[4].startswith("guard/abs_err_p99 ") and "> rl.guard_max_err 1" in r[4] for r in actions["data"])
+    figures = actions["data"][-1][5]  # as the reason writes them: guard/abs_err_p99=1.891, rl.guard_max_err=1, guard/bound=4
+    assert figures.startswith("guard/abs_err_p99=") and "rl.guard_max_err=1, " in figures and figures.endswith("guard/bound=4")
+    assert run.data.tags["a3po.actions"] == "3: guard 3"
+    assert run.data.tags["a3po.last_action"].startswith("step 4, guard (rl.guard_policy warn): no change; guard/abs_err_p99 ")
 
 
 @pytest.mark.parametrize("flag,want", [("amx_bf16", "bf16-autocast"), (None, "float32")])

@@ -1,6 +1,7 @@
 """The guard on loglinear's approximation (``rl.guard_every``): its statistics by hand, its cost (one
 minibatch's forward on a checked step, none otherwise), its policies, and micro runs: quiet on a
-healthy run, firing on one made to drift (a learning rate far too high, a large staleness bound).
+healthy run, firing on one made to drift (a learning rate far too high, a large staleness bound),
+each firing a row of the run's actions (a3po.training.actions), once each after a crash and resume.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
 from a3po.producer.producer import Admission
 from a3po.producer.weight_store import WeightStore, clone_state
+from a3po.training.actions import read_actions
 from a3po.training.guard import ApproximationGuard
 from a3po.training.loop import rl_train
 from a3po.training.step import minibatch_seed, train_step
 from bench.prox_logp import make_scored_batch
+from tests.support.resume import run_interrupted_and_resumed
 
 pytestmark = pytest.mark.usefixtures("core_one_thread")
 
@@ -170,30 +173,59 @@ def test_warn_logs_the_reason_and_recompute_trains_the_step_on_the_exact_anchor(
 # --- micro runs ----------------------------------------------------------------------------------
 
 
-def _run(**rl):
+def _result(actions=None, ckpt_dir=None, progress=None, **rl):
     cfg = with_overrides(preset("micro"), rl={"steps": 8, "eval_every": 100, "guard_every": 1, **rl})
     model, tok = build_tiny_model("micro", WORDS, seed=0)
     train, held, _ = load_rows(cfg.data, tok)
-    return rl_train(cfg, model, tok, train, held, warmstart_acc=0.0).history
+    return rl_train(cfg, model, tok, train, held, warmstart_acc=0.0, ckpt_dir=ckpt_dir, progress=progress,
+                    actions_path=str(actions) if actions else None)
+
+
+def _run(actions=None, **rl):
+    return _result(actions, **rl).history
 
 
 DRIFT = {"lr": 0.05, "lr_warmup_steps": 0, "lr_schedule": "constant", "max_staleness": 4}
 
 
-def test_the_guard_is_quiet_on_a_healthy_run_and_fires_on_one_made_to_drift(core_stub_rewards):
-    healthy = _run(max_staleness=2)
+def test_the_guard_is_quiet_on_a_healthy_run_and_fires_on_one_made_to_drift(core_stub_rewards, tmp_path):
+    healthy = _run(tmp_path / "healthy.jsonl", max_staleness=2)
     assert all(h["guard/fired"] == h["guard/over_max_err"] == h["guard/over_max_iw"] == 0.0 for h in healthy)
     assert max(h["guard/abs_err_p99"] for h in healthy) < 0.01  # lr 1e-4: the policy barely moves per version
     assert max(h["staleness/max"] for h in healthy) == 2.0  # stale tokens were checked
-    drift = _run(**DRIFT)
+    assert read_actions(tmp_path / "healthy.jsonl") == []  # nothing done, nothing recorded
+    drift = _run(tmp_path / "actions.jsonl", **DRIFT)
     fired = [h["guard/fired"] for h in drift]
     assert fired[0] == 0.0  # step 1: every token on-policy, nothing to approximate
     assert all(f == 1.0 for f in fired[1:])  # lr 0.05: |error| p99 of 1.4-4 nats (see docs/variants.md)
     assert all(h["guard/bound"] == 4.0 and h["guard/recomputed"] == 0.0 for h in drift)  # 'warn' changes nothing
+    # Each firing is a row: its step, the bound crossed with the figure that crossed it, and the action.
+    rows = read_actions(tmp_path / "actions.jsonl")
+    assert [a.step for a in rows] == [2, 3, 4, 5, 6, 7, 8]
+    for a in rows:
+        err = drift[a.step - 1]["guard/abs_err_p99"]
+        assert (a.source, a.setting, a.action) == ("guard", "rl.guard_policy warn", "no change")
+        assert a.reason.startswith(f"guard/abs_err_p99 {err:.4g} > rl.guard_max_err 1"), a.reason
+        assert a.figures["guard/abs_err_p99"] == err and a.figures["rl.guard_max_err"] == 1.0
+        assert a.figures["guard/bound"] == 4.0
 
 
-def test_tighten_lowers_the_bound_the_producer_admits_under(core_stub_rewards):
-    history = _run(**{**DRIFT, "max_staleness": 3, "schedule": "threaded", "guard_policy": "tighten", "steps": 12})
+def test_a_resumed_run_records_each_action_once(core_stub_rewards, tmp_path):
+    # Crash after step 3 (rows of steps 2 and 3 written, checkpoint at 2): the resumed run drops the row
+    # of step 3 and records steps 3 to 6 again, so each step's firing is there once.
+    path = tmp_path / "actions.jsonl"
+    res = run_interrupted_and_resumed(
+        lambda ckpt, progress: _result(path, ckpt, progress, **DRIFT, steps=6, checkpoint_every=2), tmp_path / "ckpt", 3)
+    assert res.resumed_from == 2
+    rows = read_actions(path)
+    assert [a.step for a in rows] == [2, 3, 4, 5, 6]
+    # the resumed history: steps 1-2 restored from the checkpoint, 3-6 trained again
+    assert [a.figures["guard/abs_err_p99"] for a in rows] == [h["guard/abs_err_p99"] for h in res.history[1:]]
+
+
+def test_tighten_lowers_the_bound_the_producer_admits_under(core_stub_rewards, tmp_path):
+    history = _run(tmp_path / "actions.jsonl",
+                   **{**DRIFT, "max_staleness": 3, "schedule": "threaded", "guard_policy": "tighten", "steps": 12})
     bounds = [h["guard/bound"] for h in history]
     assert bounds == sorted(bounds, reverse=True) and bounds[-1] == 1.0  # lowered one at a time, never below 1
     lowered_at = bounds.index(1.0)  # step index where the bound reached 1
@@ -202,3 +234,16 @@ def test_tighten_lowers_the_bound_the_producer_admits_under(core_stub_rewards):
     assert all(h["staleness/max"] <= 1.0 for h in history[lowered_at + 4:])
     assert len(history[lowered_at + 4:]) >= 3
     assert sum(h["guard/tightened"] for h in history) == 2.0  # 3 -> 2 -> 1
+    # The rows: every firing of the guard, and each move of the bound in force that follows it.
+    rows = read_actions(tmp_path / "actions.jsonl")
+    guard = [a for a in rows if a.source == "guard"]
+    assert [a.step for a in guard] == [i + 1 for i, h in enumerate(history) if h["guard/fired"]]
+    assert all(a.setting == "rl.guard_policy tighten" for a in guard)
+    tightened = [i + 1 for i, h in enumerate(history) if h["guard/tightened"]]
+    assert [(a.step, a.action, a.figures["guard/bound"]) for a in guard if "lowered" in a.action] == [
+        (tightened[0], "staleness bound lowered to 2 for the batches not yet admitted", 2.0),
+        (tightened[1], "staleness bound lowered to 1 for the batches not yet admitted", 1.0)]
+    assert all(a.action == "staleness bound already 1: no change" for a in guard if a.step > tightened[1])
+    assert [(a.step, a.setting, a.action, a.reason) for a in rows if a.source == "staleness"] == [
+        (tightened[0], "rl.staleness_control fixed", "staleness bound 3 -> 2", "the guard lowered the bound to 2"),
+        (tightened[1], "rl.staleness_control fixed", "staleness bound 2 -> 1", "the guard lowered the bound to 1")]

@@ -1,6 +1,6 @@
 """The staleness bound in force in a run (a3po.training.staleness): the controller under the guard's
-ceiling, fixed bounds, and a micro run whose adaptive bound is forced to rise, logged every step and
-admitted under by the producer."""
+ceiling, fixed bounds, and a micro run whose adaptive bound is forced to rise, logged every step (each
+move a row of the run's actions, with its reason) and admitted under by the producer."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
 from a3po.training import loop
+from a3po.training.actions import read_actions
 from a3po.training.guard import ApproximationGuard
 from a3po.training.loop import rl_train
 from a3po.training.staleness import StalenessBound, step_measures
@@ -71,7 +72,8 @@ def test_a_fixed_bound_moves_only_when_the_guard_lowers_it():
     assert _steps(sync, 2) == [(0.0, 0.0)] * 2
 
 
-def test_an_adaptive_micro_run_raises_its_bound_and_the_producer_admits_under_it(core_stub_rewards, monkeypatch, caplog):
+def test_an_adaptive_micro_run_raises_its_bound_and_the_producer_admits_under_it(core_stub_rewards, monkeypatch, caplog,
+                                                                                 tmp_path):
     # Forced: any wait counts as idle (threshold 1e-6 of the step period), no weight lowers it (bound
     # 1e6), patience 1. So the bound goes 1 -> 2 (after step 1) -> 3 (after step 2), the ceiling.
     rl = {**ADAPTIVE, "max_staleness": 3, "steps": 8, "eval_every": 100, "staleness_idle_frac": 1e-6,
@@ -96,11 +98,20 @@ def test_an_adaptive_micro_run_raises_its_bound_and_the_producer_admits_under_it
     model, tok = build_tiny_model("micro", WORDS, seed=0)
     train, held, _ = load_rows(cfg.data, tok)
     with caplog.at_level(logging.INFO, logger="a3po.staleness"):
-        history = rl_train(cfg, model, tok, train, held, warmstart_acc=0.0).history
+        history = rl_train(cfg, model, tok, train, held, warmstart_acc=0.0,
+                           actions_path=str(tmp_path / "actions.jsonl")).history
     assert [h["staleness/bound"] for h in history] == [2.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     assert [h["staleness/bound_changed"] for h in history] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert "step 1: staleness bound 1 -> 2 (trainer idle" in caplog.text
     assert "step 2: staleness bound 2 -> 3" in caplog.text
+    rows = read_actions(tmp_path / "actions.jsonl")  # the same moves, with their reasons and measures
+    assert [(a.step, a.source, a.setting, a.action) for a in rows] == [
+        (1, "staleness", "rl.staleness_control adaptive", "staleness bound 1 -> 2"),
+        (2, "staleness", "rl.staleness_control adaptive", "staleness bound 2 -> 3")]
+    for a, bound in zip(rows, (2.0, 3.0), strict=True):
+        assert a.reason.startswith("trainer idle ") and "> rl.staleness_idle_frac 1e-06" in a.reason, a.reason
+        assert a.figures["staleness/bound"] == bound and a.figures["trainer_idle_frac"] > 1e-6
+        assert a.figures["stability/behav_iw_p99"] == history[a.step - 1]["stability/behav_iw_p99"]
     assert ran_ahead == [True]
     st_max = [h["staleness/max"] for h in history]
     # No batch is staler than the bound it was admitted under: 1 until step 1 ended, then 2, then 3.
