@@ -39,6 +39,7 @@ from tasks.summary import SMOOTH_FRAC, arm_of, baselines_of
 
 CONFIDENCE = 0.95  # two-sided, the intervals' coverage
 ONE_SEED = "1 seed: no interval"
+UNCALIBRATED_PAIR = "no calibration for this pair (interval only)"
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ def pairs(rows: Sequence[dict[str, Any]], setting: Setting, shortfall: ParityRes
                 continue
             seeds, step, ttt, diffs = paired(row.get("per_seed", []), index[base.name].get("per_seed", []))
             covered = shortfall is not None and row["variant"] == shortfall.candidate and base.name in shortfall.pooled
-            verdict = judged(shortfall, pooled_row=False) if covered else setting.uncalibrated
+            # A calibration of other arms says nothing of this pair's reward.
+            verdict = judged(shortfall, pooled_row=False) if covered else setting.uncalibrated if shortfall is None else UNCALIBRATED_PAIR
             out.append(Pair(row["variant"], base.name, seeds, ratio_interval(step), ratio_interval(ttt), mean_interval(diffs), verdict,
                             passed=shortfall.passed if covered else None))
     if shortfall is not None:

@@ -140,7 +140,7 @@ def test_the_reward_is_judged_by_the_calibrated_shortfall_rule_where_there_is_on
     assert _pair(found, "loglinear", "sync").reward_verdict == f"{word} (calibrated shortfall vs recompute, sync pooled)"
     assert _pair(found, "loglinear", "recompute").reward_verdict.startswith(word)
     assert _pair(found, "loglinear", "sync").passed == (word == "pass") and _pair(found, "sync", "recompute").passed is None
-    assert _pair(found, "sync", "recompute").reward_verdict == f"no calibration for {CALIBRATED.preset} at {CALIBRATED.steps} steps"
+    assert _pair(found, "sync", "recompute").reward_verdict == "no calibration for this pair (interval only)"
     pooled = _pair(found, "loglinear", "pooled")
     assert pooled.pooled == ("recompute", "sync") and pooled.reward.low < diff < pooled.reward.high
     assert pair_metrics(found)["pairs/loglinear_vs_pooled/reward_pass"] == float(word == "pass")
