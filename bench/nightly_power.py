@@ -131,15 +131,20 @@ def calibrate(d: np.ndarray) -> tuple[float, float, int]:
     return float(pooled.mean()), float(pooled.std(ddof=1)), len(pooled)
 
 
+def nights(n: int, k: int, cap: int) -> list[tuple[int, ...]]:
+    """Every K-subset of ``n`` recorded seeds (indices) as a night, at most ``cap`` of them, evenly spread."""
+    subsets = list(itertools.combinations(range(n), k))
+    if len(subsets) > cap:
+        subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
+    return subsets
+
+
 def fail_rate_resampled(rule: str, d: np.ndarray, k: int, effect: float, tolerance: float, cap: int = 300) -> float:
     """Every K-subset of the recorded seeds (at most ``cap``, evenly spread) as a night, the
     candidate shifted down by ``effect``; the shortfall rule calibrated on the other seeds only
     (at least 3), so the estimate is out of sample."""
-    subsets = list(itertools.combinations(range(len(d)), k))
-    if len(subsets) > cap:
-        subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
     fails = []
-    for s in subsets:
+    for s in nights(len(d), k, cap):
         rest = np.delete(d, list(s), axis=0)
         fails.append(verdict_fails(rule, d[list(s)] - effect, calibrate(rest), tolerance))
     return float(np.mean(fails))
@@ -151,9 +156,7 @@ def fail_rate_held_out(rule: str, calibration: np.ndarray, held_out: np.ndarray,
     evenly spread) judged as a night, the candidate shifted down by ``effect``, the shortfall rule
     calibrated on ``calibration`` alone: no seed is both calibration and night. The nights share
     seeds with each other, so the rate is an average over overlapping nights, not independent ones."""
-    subsets = list(itertools.combinations(range(len(held_out)), k))
-    if len(subsets) > cap:
-        subsets = [subsets[i] for i in np.linspace(0, len(subsets) - 1, cap).astype(int)]
+    subsets = nights(len(held_out), k, cap)
     healthy = calibrate(calibration)
     return float(np.mean([verdict_fails(rule, held_out[list(s)] - effect, healthy, tolerance) for s in subsets])), len(subsets)
 
