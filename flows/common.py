@@ -304,6 +304,12 @@ def step0_benchmarks(ws: WarmStart, base: TrainConfig, spec: ComparisonSpec, dat
 CALIBRATION_BREAKERS = ("config", "overrides", "model", "dataset", "task")
 
 
+def calibration_setting(spec: ComparisonSpec, base: TrainConfig) -> Setting:
+    """What the pairs' reward verdicts rest on: a calibration holds only where it was measured, the
+    preset as shipped at these steps (tasks.pairs.calibration_of)."""
+    return Setting(spec.preset, base.rl.steps, spec.smooth_frac, tuple(k for k in CALIBRATION_BREAKERS if getattr(spec, k)))
+
+
 def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: TrackingRef, out: Path, arms: list[Arm], launch: LaunchSpec | None = None,
                           fanout_deployment: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """``(records, links, summary)``: the comparison, its links tagged on the parent run, its
@@ -313,9 +319,7 @@ def compare_and_summarise(spec: ComparisonSpec, base: TrainConfig, ref: Tracking
     records = run_comparison(spec, base, ref, out, arms, launch=launch, fanout_deployment=fanout_deployment)
     links = tag_run_links(ref, [r["mlflow_run_id"] for r in records])
     summary = summarise(records, str(out / "summary"), spec.target_fraction, spec.smooth_frac)
-    # The pairs' reward verdicts hold only where a calibration was measured: the preset as shipped, at these steps.
-    setting = Setting(spec.preset, base.rl.steps, spec.smooth_frac, tuple(k for k in CALIBRATION_BREAKERS if getattr(spec, k)))
-    summary = summarise_pairs(summary, records, setting, str(out / "summary"))
+    summary = summarise_pairs(summary, records, calibration_setting(spec, base), str(out / "summary"))
     log_run_pictures(ref, records)
     describe_parent_run(ref, summary, records, links)
     return records, links, summary

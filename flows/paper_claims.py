@@ -35,12 +35,13 @@ from a3po.config import TrainConfig, Variant
 from a3po.config.axes import PLACEMENTS, Placement
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, int_csv, run_flow
-from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
+from flows.common import ComparisonSpec, calibration_setting, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
 from tasks.arms import Arm, expand_arms
 from tasks.claims import SET_NAMES, report_claims, seed_set
 from tasks.description import describe_parent_run
 from tasks.launched import launch_for_config
 from tasks.links import RunLinks
+from tasks.pairs import summarise_replicated_pairs
 from tasks.tracking import log_to_parent
 
 VARIANTS = [v.value for v in Variant]  # every claim compares loglinear with recompute and/or sync
@@ -117,13 +118,21 @@ def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B0
                   f"max staleness {base.rl.max_staleness}; comparison table (every seed) in comparison.md.")
         judged = [seed_set(name, records, seeds, spec.target_fraction, spec.smooth_frac) for name, seeds in sets.items()]
         claims = report_claims(judged, str(out / "summary"), header)
-        log_to_parent(ref, {**summary["metrics"], **claims["metrics"]}, [*summary["artifacts"], *claims["artifacts"]],
+        # Two sets: the pairs (speed ratios and reward with intervals) of each set alone, side by side.
+        by_set = (summarise_replicated_pairs([(s.name, s.seeds, s.rows) for s in judged], records, calibration_setting(every_seed, base),
+                                             str(out / "summary")) if len(judged) > 1 else None)
+        replicated = by_set or {"markdown": "", "metrics": {}, "artifacts": []}
+        log_to_parent(ref, {**summary["metrics"], **claims["metrics"], **replicated["metrics"]},
+                      [*summary["artifacts"], *claims["artifacts"], *replicated["artifacts"]],
                       tags={f"claim.{r['claim']}": r["verdict"] for r in claims["results"]})
-        describe_parent_run(ref, summary, records, links, verdict_md=f"{header}\n\n{claims['markdown']}")
+        pairs_md = f"## Pairs on each seed set\n\n{by_set['markdown']}" if by_set else ""
+        describe_parent_run(ref, summary, records, links, verdict_md="\n\n".join(filter(None, [header, claims["markdown"], pairs_md])))
     return {
         "claims": claims["results"],
         "claims_md": claims["markdown"],
         "table_md": summary["table_md"],
+        # The pairs with intervals: each seed set's side by side where there are two, else the comparison's.
+        "pairs_md": by_set["markdown"] if by_set else summary["pairs_md"],
         "runs": records,
         "parent_run_id": ref.parent_run_id,
         "links": links,
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.paper_claim
                                 {"placements": placements, "replicate_seeds": replicate}, check)
     if res is None:
         return status
-    print("\n" + res["table_md"] + "\n\n" + res["claims_md"])
+    print("\n" + res["table_md"] + "\n\n" + res["pairs_md"] + "\n" + res["claims_md"])
     print(f"MLflow parent run {res['parent_run_id']} (claims.md)")
     print("\n".join(RunLinks(**res["links"]).lines()))
     figs = {f"claim/{r['claim']}": r["verdict"] for r in res["claims"]}

@@ -2,16 +2,12 @@
 
 MLflow renders a run's Description (the tag ``mlflow.note.content``) as Markdown above its
 metrics. A comparison's holds, in order: the flow's verdict when it has one (nightly parity, the
-paper's claims), the comparison table (:func:`tasks.summary.to_markdown`), the speedups of each
-arm against its baselines with their spread over seeds, the charts of the comparison, and a
-link to every child run. :func:`comparison_description` builds it (pure: strings in, string
-out); :func:`describe_parent_run` is the task that writes it, through
+paper's claims), the comparison table (:func:`tasks.summary.to_markdown`), the pairs (each arm
+against its baselines: speed ratios and reward difference with 95% intervals over the paired
+seeds and the verdicts those intervals allow, :mod:`tasks.pairs`), the charts of the
+comparison, and a link to every child run. :func:`comparison_description` builds it (pure:
+strings in, string out); :func:`describe_parent_run` is the task that writes it, through
 :func:`tasks.tracking.set_description`, the one place the tag is set.
-
-Speedups (definitions in :mod:`tasks.summary`): ``T_baseline / T_arm`` of time to target and of
-mean step time, > 1 when the arm is faster. With several seeds each seed's ratio is taken on the
-seeds both rows ran (the seeds are paired: same warm start and prompt stream) and the range
-shown is their min..max; the headline is the ratio of the rows' means, as in the table.
 """
 
 from __future__ import annotations
@@ -21,52 +17,12 @@ from typing import Any, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.arms import Arm
 from tasks.links import run_page, ui_address
-from tasks.summary import baselines_of
 from tasks.tracking import MAX_DESCRIPTION_CHARS, TrackingRef, client_for, set_description
 
-# (figure of tasks.summary.run_figures, its label in the speedup table)
-SPEEDUP_FIGURES = (("time_to_target_s", "time to target"), ("mean_step_time_s", "step time"))
 # Charts of the comparison on the parent run (tasks.summary.plot), shown in the Description.
 CHARTS = (("reward_curves.png", "reward and held-out accuracy against wall time"),
           ("stability.png", "importance weights and trust region"))
-
-
-def speedup_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (arm, baseline) pair and figure that has a speedup: ``{"arm", "baseline",
-    "figure", "speedup", "seed_min", "seed_max", "seeds"}``. ``speedup`` is the ratio of the rows'
-    means (the table's); the seed range is over the per-seed ratios of the seeds both rows ran
-    (None with fewer than two)."""
-    index = {row["variant"]: row for row in rows}
-    out = []
-    for row in rows:
-        for base in baselines_of(Arm.parse(row["variant"])):
-            b = index.get(base.name)
-            if b is None or base.name == row["variant"]:
-                continue
-            for key, label in SPEEDUP_FIGURES:
-                if not row.get(key) or not b.get(key):  # None or 0: undefined
-                    continue
-                theirs = {s["seed"]: s[key] for s in b.get("per_seed", [])}
-                ratios = [theirs[s["seed"]] / s[key] for s in row.get("per_seed", [])
-                          if s.get(key) and theirs.get(s["seed"])]
-                spread = len(ratios) >= 2
-                out.append({"arm": row["variant"], "baseline": base.name, "figure": label, "speedup": b[key] / row[key],
-                            "seed_min": min(ratios) if spread else None, "seed_max": max(ratios) if spread else None,
-                            "seeds": len(ratios)})
-    return out
-
-
-def _speedups_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    entries = speedup_rows(rows)
-    if not entries:
-        return "No speedup is defined (a figure is missing or zero; time to target needs a reward target)."
-    lines = ["| arm | vs | figure | speedup | over seeds (min..max) |", "|---|---|---|---|---|"]
-    for e in entries:
-        spread = f"{e['seed_min']:.2f}..{e['seed_max']:.2f} ({e['seeds']} seeds)" if e["seed_min"] is not None else "-"
-        lines.append(f"| {e['arm']} | {e['baseline']} | {e['figure']} | {e['speedup']:.2f}x | {spread} |")
-    return "\n".join(lines)
 
 
 def comparison_description(summary: dict[str, Any], children: Sequence[dict[str, Any]],
@@ -74,7 +30,8 @@ def comparison_description(summary: dict[str, Any], children: Sequence[dict[str,
                            charts: Sequence[tuple[str, str]] = (), limit: int = MAX_DESCRIPTION_CHARS) -> str:
     """The Markdown of a comparison's parent run.
 
-    ``summary``: :func:`tasks.summary.summarise`'s (``table_md``, ``rows``, ``target``, ``notes``).
+    ``summary``: :func:`tasks.summary.summarise`'s (``table_md``, ``target``, ``notes``) with
+    :func:`tasks.pairs.summarise_pairs`'s ``pairs_md``.
     ``children``: ``{"arm", "seed", "url"}`` per child run. ``links``: :class:`tasks.links.RunLinks`
     as a dict (its compare-runs page is linked). ``verdict_md``: the flow's verdict, put first.
     ``charts``: ``(image URL, caption)`` shown as images. Sections that do not fit ``limit``
@@ -89,8 +46,10 @@ def comparison_description(summary: dict[str, Any], children: Sequence[dict[str,
              (f"Target reward {target:.3f}" if target is not None else no_target)
              + "; definitions in docs/pipeline.md (the summary)."
              + "".join(f"\n\nNote: {n}" for n in summary.get("notes", []))]
-    speed = ["## Speedups", "Baseline time / arm time (> 1: the arm is faster).",
-             _speedups_markdown(summary.get("rows", []))]
+    if not summary.get("pairs_md"):
+        raise ValueError("the summary has no pairs (pairs_md, tasks.pairs.summarise_pairs): the speed and reward "
+                         "figures would be shown without their intervals")
+    speed = ["## Pairs over seeds", summary["pairs_md"].strip()]
     pictures = ["## Charts", *(f"![{caption}]({url})" for url, caption in charts)] if charts else []
     compare = [f"[Compare the child runs]({links['compare_runs']})"] if links and links.get("compare_runs") else []
     runs = ["## Child runs", *compare, "\n".join(f"- [{c['arm']} seed {c['seed']}]({c['url']})" for c in children)]

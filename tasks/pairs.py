@@ -25,6 +25,7 @@ calibration for <preset> at <steps> steps", never a pass.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -209,13 +210,13 @@ def pairs(rows: Sequence[dict[str, Any]], setting: Setting, shortfall: ParityRes
     return out
 
 
-def pair_metrics(found: Sequence[Pair]) -> dict[str, float]:
-    """``pairs/<arm>_vs_<baseline>/{step_time_ratio, ttt_ratio, reward_diff}`` with ``_lo`` and
+def pair_metrics(found: Sequence[Pair], prefix: str = "pairs") -> dict[str, float]:
+    """``<prefix>/<arm>_vs_<baseline>/{step_time_ratio, ttt_ratio, reward_diff}`` with ``_lo`` and
     ``_hi`` where there is an interval, and ``seeds`` and ``ttt_seeds`` (the seeds each entered);
     the pooled pair (``..._vs_pooled``) has the reward figures and ``reward_pass`` (1: pass)."""
     m: dict[str, float] = {}
     for p in found:
-        tag = f"pairs/{metric_key_part(p.arm)}_vs_{metric_key_part(p.baseline)}"
+        tag = f"{prefix}/{metric_key_part(p.arm)}_vs_{metric_key_part(p.baseline)}"
         for name, iv in (("step_time_ratio", p.step_time), ("ttt_ratio", p.ttt), ("reward_diff", p.reward)):
             m.update({f"{tag}/{name}{end}": v for end, v in (("", iv.point), ("_lo", iv.low), ("_hi", iv.high)) if v is not None})
         m[f"{tag}/seeds"] = float(len(p.seeds))
@@ -260,7 +261,90 @@ def summarise_pairs(summary: dict[str, Any], records: list[dict[str, Any]], sett
     shortfall, note = calibrated_shortfall(records, setting)
     found = pairs(summary["rows"], setting, shortfall)
     md = pairs_markdown(found, [note])
-    path = Path(out_dir) / "pairs.md"
+    out = Path(out_dir)
+    (out / "pairs.md").write_text(md)
+    full = {**summary, "pairs": [asdict(p) for p in found], "pairs_md": md, "metrics": {**summary["metrics"], **pair_metrics(found)}}
+    # summary.json (tasks.summary.summarise) holds the pairs too: one file has every figure of the comparison.
+    (out / "summary.json").write_text(json.dumps({k: v for k, v in full.items() if k != "artifacts"}, indent=1, default=str))
+    artifacts = list(dict.fromkeys([*summary["artifacts"], str(out / "pairs.md"), str(out / "summary.json")]))
+    return {**full, "artifacts": artifacts}
+
+
+NO_CALIBRATION = "no calibration"
+SETS_DIFFER = "not settled (the sets differ)"
+
+
+@dataclass(frozen=True)
+class SetPairs:
+    """One seed set's pairs (:func:`pairs` of that set's rows) and the note of its reward rule."""
+
+    name: str
+    seeds: tuple[int, ...]
+    pairs: list[Pair]
+    note: str
+
+
+def set_pairs(name: str, seeds: Sequence[int], rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
+              setting: Setting) -> SetPairs:
+    """The pairs of one seed set: ``rows`` are that set's comparison (its own target:
+    :func:`tasks.claims.seed_set`), the calibrated test reads that set's ``records`` only."""
+    shortfall, note = calibrated_shortfall([r for r in records if r["seed"] in seeds], setting)
+    return SetPairs(name, tuple(seeds), pairs(rows, setting, shortfall), note)
+
+
+def figure_verdicts(p: Pair) -> dict[str, tuple[str, str]]:
+    """``figure -> (cell, verdict)`` of one pair: the speed ratios judged by their interval, the
+    reward by the calibrated rule where it covers the pair, else "no calibration"."""
+    reward = NO_CALIBRATION if p.passed is None else "pass" if p.passed else "FAIL"
+    cells = {"reward diff": (_cell(p.reward, "+.3f"), reward)}
+    if not p.pooled:
+        cells = {"step-time ratio": (_cell(p.step_time, ".3f"), speed_verdict(p.step_time)),
+                 "time-to-target ratio": (f"{_cell(p.ttt, '.3f')} ({p.ttt.n} of {len(p.seeds)})", speed_verdict(p.ttt)), **cells}
+    return cells
+
+
+def agree(a: str, b: str) -> str:
+    """One figure's verdict from its verdicts on two disjoint seed sets: the same twice stands
+    (faster twice, pass twice, not settled twice); any two different ones are "not settled (the
+    sets differ)", never the better of the two."""
+    return a if a == b else SETS_DIFFER
+
+
+def replicated_markdown(sets: Sequence[SetPairs]) -> str:
+    """The pairs of two seed sets side by side, one line per pair and figure, with the verdict
+    both give (:func:`agree`); then each set's note."""
+    a, b = sets
+    head = [f"| arm vs baseline | figure | set {a.name} (seeds {', '.join(map(str, a.seeds))}) | verdict {a.name} | "
+            f"set {b.name} (seeds {', '.join(map(str, b.seeds))}) | verdict {b.name} | both sets |", "|" + "---|" * 7]
+    theirs = {p.label: p for p in b.pairs}
+    lines = []
+    for p in a.pairs:
+        q = theirs.get(p.label)
+        if q is None:  # an arm that ran on one set only: nothing to replicate
+            continue
+        mine, other = figure_verdicts(p), figure_verdicts(q)
+        for figure, (cell, verdict) in mine.items():
+            cell_b, verdict_b = other[figure]
+            lines.append(f"| {p.label} | {figure} | {cell} | {verdict} | {cell_b} | {verdict_b} | {agree(verdict, verdict_b)} |")
+    if not lines:
+        lines.append("| (no pair ran on both sets) | - | - | - | - | - | - |")
+    notes = [f"Note (set {s.name}): {s.note}" for s in sets if s.note]
+    return "\n".join([*head, *lines, "", "Each set's figures come from its runs alone (its own reward target); intervals and "
+                      "verdict words as in pairs.md. A verdict stands only where both sets give it.", *notes]) + "\n"
+
+
+@task(cache_policy=NO_CACHE)
+def summarise_replicated_pairs(sets: list[tuple[str, tuple[int, ...], list[dict[str, Any]]]], records: list[dict[str, Any]],
+                               setting: Setting, out_dir: str) -> dict[str, Any]:
+    """The pairs of two disjoint seed sets (``(name, seeds, rows)`` each) side by side: write
+    pairs_by_set.md to ``out_dir``; return its ``markdown``, ``metrics``
+    (``pairs_set_<name>/...``: :func:`pair_metrics` per set) and ``artifacts``."""
+    if len(sets) != 2:
+        raise ValueError(f"replicated pairs compare two seed sets, got {len(sets)}")
+    judged = [set_pairs(name, seeds, rows, records, setting) for name, seeds, rows in sets]
+    md = replicated_markdown(judged)
+    path = Path(out_dir) / "pairs_by_set.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(md)
-    return {**summary, "pairs": [asdict(p) for p in found], "pairs_md": md, "metrics": {**summary["metrics"], **pair_metrics(found)},
-            "artifacts": [*summary["artifacts"], str(path)]}
+    metrics = {k: v for s in judged for k, v in pair_metrics(s.pairs, f"pairs_set_{s.name}").items()}
+    return {"markdown": md, "metrics": metrics, "artifacts": [str(path)]}

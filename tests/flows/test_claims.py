@@ -106,6 +106,18 @@ def test_not_measurable_with_the_reason():
     assert _verdicts(rows, target=None)["ttt_vs_recompute"] == (NOT_MEASURABLE, "no variant improved on the first-step reward, so there is no target")
 
 
+def test_importance_weights_of_one_to_rounding_decide_nothing():
+    # No stale token: both maxima are 1 but for rounding; their ratio 0.9999995 / 1.0000004 < 1 would
+    # read "reproduced" by noise. One seed with a moved weight is not enough: the claim is per seed.
+    flat = [_row("recompute", {0: _fig(0.05, 100.0, 0.6, 1.0000004, 0.0), 1: _fig(0.05, 100.0, 0.6, 3.0, 0.0)}),
+            _row("loglinear", {0: _fig(0.001, 60.0, 0.6, 0.9999995, 0.0), 1: _fig(0.001, 60.0, 0.6, 2.0, 0.0)})]
+    assert _verdicts(flat)["behav_iw_extremes"] == (
+        NOT_MEASURABLE, "max behaviour IW within 0.001 of 1 for both variants on seed(s) 0: no stale token moved a weight, nothing to control")
+    # One of the two moved (1.002 is past the rounding): measured, 1.0 / 1.002 < 1.
+    flat[0]["per_seed"][0]["behav_iw_max"] = 1.002
+    assert _verdicts(flat)["behav_iw_extremes"][0] == REPRODUCED
+
+
 def test_rule_thresholds_are_inclusive_or_strict_as_written():
     assert Rule(">=", 10).holds(10.0) and not Rule(">", 1).holds(1.0) and Rule("<=", 0).holds(0.0) and not Rule("<", 1).holds(1.0)
     with pytest.raises(ValueError, match="rule operator"):
@@ -271,3 +283,38 @@ def test_paper_claims_flow_end_to_end(prefect_server, tmp_path):
     assert parent["metrics.claims/reward_parity/mean"] == pytest.approx(gap)
     assert parent["metrics.claims/prox_time/mean"] == pytest.approx(ratio)
     assert all(parent[f"tags.claim.{k}"] == r["verdict"] for k, r in by_claim.items())
+
+
+@pytest.mark.e2e
+def test_the_claims_flow_on_two_seed_sets_puts_each_sets_pairs_side_by_side(prefect_server, tmp_path, capsys):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from flows.paper_claims import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["--preset", "micro", "--seeds", "0", "--replicate-seeds", "1", "--steps", "2", "--tracking-uri", uri,
+                 "--experiment", "claims2", "--output-dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    head = "| arm vs baseline | figure | set A (seeds 0) | verdict A | set B (seeds 1) | verdict B | both sets |"
+    assert head in printed and printed.index(head) < printed.index("| claim | paper | set A (seeds 0)")
+    # One seed a set: no interval, so no speed verdict can stand on either set.
+    steps = [x for x in printed.splitlines() if x.startswith("| loglinear vs sync | step-time ratio |")]
+    assert len(steps) == 1 and steps[0].rstrip(" |").endswith("| not settled (1 seed)")
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["claims2"])
+    parent = runs[runs["tags.a3po.role"] == "parent"].iloc[0]
+    client = MlflowClient(uri)
+    text = open(client.download_artifacts(parent["run_id"], "pairs_by_set.md", str(tmp_path / "dl"))).read()
+    assert head in text
+    # Each set's ratio from its own seed's runs, recomputed from their step records: mean over steps of
+    # update + wait, sync's over loglinear's.
+    def step_time(variant: str, seed: int) -> float:
+        (path,) = (tmp_path / "out").glob(f"{variant}-seed{seed}-*/metrics.jsonl")
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return sum(r["perf/step_time_s"] + r.get("perf/wait_time_s", 0.0) for r in rows) / len(rows)
+
+    for name, seed in (("A", 0), ("B", 1)):
+        assert parent[f"metrics.pairs_set_{name}/loglinear_vs_sync/step_time_ratio"] == pytest.approx(
+            step_time("sync", seed) / step_time("loglinear", seed), rel=1e-6)
+    assert "## Pairs on each seed set" in parent["tags.mlflow.note.content"]

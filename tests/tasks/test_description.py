@@ -9,38 +9,26 @@ import pytest
 import torch
 
 from a3po.training.step import staleness_counts as step_staleness_counts
-from tasks.description import comparison_description, speedup_rows
+from tasks.description import comparison_description
 from tasks.pictures import draw_run_pictures, staleness_counts
 from tasks.tracking import DESCRIPTION_TAG, TrackingRef, client_for, create_run, ensure_experiment, set_description
 
-
-def _row(name: str, step_times: list[float], ttt: list[float | None]) -> dict:
-    per_seed = [{"seed": s, "mean_step_time_s": t, "time_to_target_s": d}
-                for s, (t, d) in enumerate(zip(step_times, ttt, strict=True))]
-    mean_ttt = None if None in ttt else sum(ttt) / len(ttt)
-    return {"variant": name, "mean_step_time_s": sum(step_times) / len(step_times), "time_to_target_s": mean_ttt,
-            "per_seed": per_seed}
-
-
-ROWS = [_row("sync", [2.0, 4.0], [10.0, None]), _row("loglinear", [1.0, 1.0], [5.0, 5.0])]
-SUMMARY = {"table_md": "| variant | final reward |\n|---|---|\n| sync | 0.100 |\n| loglinear | 0.200 |", "rows": ROWS,
-           "target": 0.25, "notes": []}
+# The pairs table as tasks.pairs writes it (its figures are tested in tests/tasks/test_pairs.py).
+PAIRS_MD = ("| arm vs baseline | seeds | step-time ratio [lo, hi] | verdict |\n|---|---|---|---|\n"
+            "| loglinear vs sync | 2 | 2.828 [0.035, 231.285] | not settled |\n\nRatios are baseline / arm.\n")
+SUMMARY = {"table_md": "| variant | final reward |\n|---|---|\n| sync | 0.100 |\n| loglinear | 0.200 |", "rows": [],
+           "target": 0.25, "notes": [], "pairs_md": PAIRS_MD}
 CHILDREN = [{"arm": "sync", "seed": 0, "url": "http://ui/#/experiments/1/runs/c0?workflowType=machine_learning"},
             {"arm": "loglinear", "seed": 0, "url": "http://ui/#/experiments/1/runs/c1?workflowType=machine_learning"}]
 
 
-def test_speedups_are_the_ratio_of_the_means_with_the_paired_seeds_range():
-    # Step time: sync means (2 + 4) / 2 = 3, loglinear 1 -> 3.0x; per seed 2/1 and 4/1 -> 2..4.
-    # Time to target: sync's seed 1 never got there, so sync's mean is None and no speedup is shown.
-    # sync's own baselines are itself and recompute (not run): no row.
-    assert speedup_rows(ROWS) == [{"arm": "loglinear", "baseline": "sync", "figure": "step time", "speedup": 3.0,
-                                   "seed_min": 2.0, "seed_max": 4.0, "seeds": 2}]
-
-
-def test_description_holds_the_table_the_speedups_and_links_to_every_child_run():
+def test_description_holds_the_table_the_pairs_and_links_to_every_child_run():
     md = comparison_description(SUMMARY, CHILDREN, {"compare_runs": "http://ui/#/compare-runs?runs=x"})
     assert md.startswith("## Comparison\n\n| variant | final reward |")
-    assert "| loglinear | sync | step time | 3.00x | 2.00..4.00 (2 seeds) |" in md
+    # The pairs with their intervals follow the table, before the child runs; no bare ratio of means.
+    assert "## Pairs over seeds\n\n" + PAIRS_MD.strip() in md
+    assert md.index("## Comparison") < md.index("## Pairs over seeds") < md.index("## Child runs")
+    assert "Speedups" not in md
     assert "Target reward 0.250" in md
     assert "[Compare the child runs](http://ui/#/compare-runs?runs=x)" in md
     for c in CHILDREN:
@@ -58,9 +46,11 @@ def test_a_verdict_comes_first_and_what_does_not_fit_is_left_out_from_the_end():
     assert "## Child runs" not in short and "Left out here for length: child runs" in short
 
 
-def test_a_summary_without_a_table_is_refused():
+def test_a_summary_without_a_table_or_its_pairs_is_refused():
     with pytest.raises(ValueError, match="no comparison table"):
         comparison_description({"rows": [], "table_md": ""}, [])
+    with pytest.raises(ValueError, match="no pairs"):  # figures without intervals are not shown
+        comparison_description({**SUMMARY, "pairs_md": ""}, CHILDREN)
 
 
 def test_the_description_is_the_runs_note_and_an_empty_one_is_refused(tmp_path):

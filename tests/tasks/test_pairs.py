@@ -4,6 +4,7 @@ verdict words, the calibrated reward rule and the table. Pure functions on hand-
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -11,7 +12,19 @@ import pytest
 
 from a3po.training.metrics import valid_metric_key
 from tasks.arms import Arm
-from tasks.pairs import Interval, Setting, calibrated_shortfall, pair_metrics, pairs, pairs_markdown, speed_verdict, summarise_pairs
+from tasks.pairs import (
+    SETS_DIFFER,
+    Interval,
+    Setting,
+    agree,
+    calibrated_shortfall,
+    pair_metrics,
+    pairs,
+    pairs_markdown,
+    speed_verdict,
+    summarise_pairs,
+    summarise_replicated_pairs,
+)
 from tasks.summary import ArmRun, compare
 
 UNCALIBRATED = Setting("smol", 40)
@@ -178,6 +191,58 @@ def test_the_pairs_of_a_comparison_land_in_its_summary(tmp_path):
     assert out["metrics"]["pairs/loglinear_vs_sync/step_time_ratio"] == pytest.approx(math.sqrt(6))
     assert out["metrics"]["pairs/loglinear_vs_sync/reward_diff"] == pytest.approx(0.1)
     assert out["metrics"]["speedup/loglinear_vs_sync/step_time"] == summary["metrics"]["speedup/loglinear_vs_sync/step_time"]  # kept
-    assert out["artifacts"] == ["comparison.md", str(tmp_path / "pairs.md")]
+    assert out["artifacts"] == ["comparison.md", str(tmp_path / "pairs.md"), str(tmp_path / "summary.json")]
+    written = json.loads((tmp_path / "summary.json").read_text())  # the summary file holds the pairs too
+    assert written["pairs"][0]["step_time"]["point"] == pytest.approx(math.sqrt(6)) and written["pairs_md"] == out["pairs_md"]
     assert (tmp_path / "pairs.md").read_text() == out["pairs_md"] and "| loglinear vs sync | 2 |" in out["pairs_md"]
     assert out["pairs"][0]["arm"] == "loglinear" and out["pairs"][0]["step_time"]["n"] == 2
+
+
+def _cells(md: str, label: str, figure: str) -> list[str]:
+    (line,) = [x for x in md.splitlines() if x.startswith(f"| {label} | {figure} |")]
+    return [c.strip() for c in line.strip("| ").split(" | ")]
+
+
+def test_two_seed_sets_side_by_side_a_verdict_stands_only_when_both_give_it(tmp_path):
+    # Step-time log ratios sync / loglinear: set A (seeds 0, 1) 0.50, 0.52 -> mean 0.51, sd 0.01414,
+    # t_{0.975,1} = 12.706: h = 12.706 x 0.01414 / sqrt(2) = 0.1271 -> exp: 1.665 [1.467, 1.891], faster.
+    # Set B (seeds 2, 3) 0.5, 0.7 -> mean 0.6, sd 0.1414, h = 1.2706 -> 1.822 [0.511, 6.49], not settled.
+    # Time to target: loglinear 10 s, sync 20 s and 21 s on each set: log ratios ln 2, ln 2.1 -> mean 0.7175,
+    # sd 0.0345, h = 0.310 -> [1.50, 2.79] on both sets: faster twice, so faster stands.
+    def row(name: str, figures: dict[int, tuple[float, float]]) -> dict:
+        return _row(name, {s: (t, d, 0.5) for s, (t, d) in figures.items()})
+
+    a = [row("loglinear", {0: (1.0, 10.0), 1: (1.0, 10.0)}), row("sync", {0: (E(0.50), 20.0), 1: (E(0.52), 21.0)})]
+    b = [row("loglinear", {2: (1.0, 10.0), 3: (1.0, 10.0)}), row("sync", {2: (E(0.5), 20.0), 3: (E(0.7), 21.0)}),
+         row("recompute", {2: (1.0, 10.0), 3: (1.0, 10.0)})]  # on set B only: nothing to replicate
+    records = [{"arm": r["variant"], "seed": f["seed"]} for r in a + b for f in r["per_seed"]]
+    out = summarise_replicated_pairs.fn([("A", (0, 1), a), ("B", (2, 3), b)], records, UNCALIBRATED, str(tmp_path))
+    md = out["markdown"]
+    assert (tmp_path / "pairs_by_set.md").read_text() == md and out["artifacts"] == [str(tmp_path / "pairs_by_set.md")]
+    assert "| arm vs baseline | figure | set A (seeds 0, 1) | verdict A | set B (seeds 2, 3) | verdict B | both sets |" in md
+    step = _cells(md, "loglinear vs sync", "step-time ratio")
+    assert step[3] == "faster" and step[5] == "not settled" and step[6] == SETS_DIFFER
+    low, high = (float(x) for x in step[2].split("[")[1].rstrip("]").split(", "))
+    assert (low, high) == (pytest.approx(1.467, abs=1e-3), pytest.approx(1.891, abs=1e-3))
+    ttt = _cells(md, "loglinear vs sync", "time-to-target ratio")
+    assert ttt[3] == ttt[5] == ttt[6] == "faster" and ttt[2].endswith("(2 of 2)")
+    reward = _cells(md, "loglinear vs sync", "reward diff")
+    assert reward[2] == reward[4] == "+0.000 [+0.000, +0.000]" and reward[6] == "no calibration"
+    assert "recompute" not in md.split("\n\n")[0]  # a pair of one set is not shown as replicated
+    assert out["metrics"]["pairs_set_A/loglinear_vs_sync/step_time_ratio"] == pytest.approx(E(0.51))
+    assert out["metrics"]["pairs_set_B/loglinear_vs_sync/step_time_ratio"] == pytest.approx(E(0.6))
+    assert all(valid_metric_key(k) for k in out["metrics"])
+
+
+@pytest.mark.parametrize(("a", "b", "both"), [
+    ("faster", "faster", "faster"), ("not settled", "not settled", "not settled"), ("pass", "pass", "pass"),
+    ("faster", "not settled", SETS_DIFFER), ("not settled", "faster", SETS_DIFFER), ("faster", "slower", SETS_DIFFER),
+    ("pass", "FAIL", SETS_DIFFER),
+])
+def test_two_verdicts_agree_only_when_equal(a, b, both):
+    assert agree(a, b) == both
+
+
+def test_replicated_pairs_need_two_sets(tmp_path):
+    with pytest.raises(ValueError, match="two seed sets, got 1"):
+        summarise_replicated_pairs.fn([("A", (0,), THREE)], [], UNCALIBRATED, str(tmp_path))
