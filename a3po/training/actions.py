@@ -15,9 +15,11 @@ the rows there as a table) rather than the worker's log. One JSON object a line,
 * ``figures``: the numbers behind it, by metric or setting name: the guard's figures that crossed
   their bounds and those bounds, the controller's measures; and the bound in force after the action.
 
-Crash and resume, as ``metrics.jsonl``: each row is one append (a killed process leaves at most a
-torn last line, cut before the next row); a run resumed from the checkpoint of step ``k`` first drops
-the rows of steps after ``k``, which it trains again, so no step's actions are there twice.
+Crash and resume, as ``metrics.jsonl``: a step's rows are held until its metrics line is written
+(:meth:`ActionLog.flush`), so a step that crashes leaves neither (it is trained, and checked, again
+on resume); each row is one append (a killed process leaves at most a torn last line, cut before the
+next row); a run resumed from the checkpoint of step ``k`` first drops the rows of steps after ``k``,
+which it trains again, so no step's actions are there twice.
 """
 
 from __future__ import annotations
@@ -55,19 +57,27 @@ OnAction = Callable[[Action], None]
 
 
 class ActionLog:
-    """The rows of ``path`` (``<run_dir>/actions.jsonl``): :meth:`record` appends one,
-    :meth:`rewind` drops those after a step (a resumed run)."""
+    """The rows of ``path`` (``<run_dir>/actions.jsonl``): :meth:`record` takes one during a step,
+    :meth:`flush` appends the step's rows once its metrics are written, :meth:`rewind` drops those
+    after a step (a resumed run)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._repaired = False
+        self._pending: list[Action] = []
 
     def record(self, action: Action) -> None:
-        if not self._repaired:
+        """Hold ``action`` until its step is done (:meth:`flush`)."""
+        self._pending.append(action)
+
+    def flush(self) -> None:
+        """Append the held rows, one append each (the step's metrics line is written: the step happened)."""
+        if self._pending and not self._repaired:
             cut_torn_line(self.path)
             self._repaired = True
-        append_line(self.path, (json.dumps(asdict(action)) + "\n").encode())
+        while self._pending:
+            append_line(self.path, (json.dumps(asdict(self._pending.pop(0))) + "\n").encode())
 
     def rewind(self, step: int) -> None:
         """Keep the rows of steps 1..``step`` (a run resumed from the checkpoint of ``step``; 0: a

@@ -214,6 +214,8 @@ def rl_train(
             run.history.append(metrics)
             run.step = step + 1
             logger.log_metrics(metrics, step + 1)
+            if actions is not None:  # the step's actions follow its metrics line: a crashed step leaves neither
+                actions.flush()
             if progress is not None:
                 progress(step + 1, metrics)
             if checkpoint_due:

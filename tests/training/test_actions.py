@@ -20,6 +20,8 @@ def test_a_row_a_line_with_the_columns(tmp_path):
     log = ActionLog(tmp_path / "run" / "actions.jsonl")
     log.record(WARN)
     log.record(MOVE)
+    assert not log.path.exists()  # held until the step's metrics line is written
+    log.flush()
     lines = (tmp_path / "run" / "actions.jsonl").read_text().splitlines()
     assert [list(json.loads(x)) for x in lines] == [list(COLUMNS)] * 2
     assert json.loads(lines[0])["figures"] == {"guard/abs_err_p99": 2.5, "rl.guard_max_err": 1.0, "guard/bound": 4.0}
@@ -31,19 +33,36 @@ def test_a_row_a_line_with_the_columns(tmp_path):
 
 def test_a_torn_line_is_cut_and_a_resume_drops_the_rows_after_its_checkpoint(tmp_path):
     path = tmp_path / "actions.jsonl"
-    ActionLog(path).record(WARN)
+    first = ActionLog(path)
+    first.record(WARN)
+    first.flush()
     with open(path, "ab") as f:
         f.write(b'{"step": 3, "sour')  # killed mid-write
     assert read_actions(path) == [WARN]  # the reader ignores it
-    ActionLog(path).record(MOVE)  # a new process cuts it before its first row
+    again = ActionLog(path)
+    again.record(MOVE)
+    again.flush()  # a new process cuts it before its first row
     assert read_actions(path) == [WARN, MOVE]
     log = ActionLog(path)
     log.rewind(2)  # resumed from the checkpoint of step 2: step 3 is trained again
     assert read_actions(path) == [WARN]
     log.record(MOVE)
+    log.flush()
     assert read_actions(path) == [WARN, MOVE]
     ActionLog(path).rewind(0)  # a fresh start keeps nothing
     assert read_actions(path) == []
+
+
+def test_a_step_that_crashes_before_its_metrics_line_leaves_no_row(tmp_path):
+    path = tmp_path / "actions.jsonl"
+    log = ActionLog(path)
+    log.record(WARN)
+    log.flush()  # step 2 done
+    log.record(MOVE)  # step 3 acted, then the process died before step 3's metrics line
+    assert read_actions(path) == [WARN]
+    log.flush()
+    log.flush()  # nothing held twice
+    assert read_actions(path) == [WARN, MOVE]
 
 
 def test_a_row_without_a_column_is_an_error_naming_the_file(tmp_path):

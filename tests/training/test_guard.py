@@ -223,6 +223,25 @@ def test_a_resumed_run_records_each_action_once(core_stub_rewards, tmp_path):
     assert [a.figures["guard/abs_err_p99"] for a in rows] == [h["guard/abs_err_p99"] for h in res.history[1:]]
 
 
+def test_a_step_that_crashes_after_the_guard_fired_leaves_no_row(core_stub_rewards, tmp_path, monkeypatch):
+    # Step 4's update runs (the guard fires and records), then the step dies before its metrics line:
+    # the rows are those of the steps that happened, 2 and 3.
+    import a3po.training.loop as loop
+
+    real = loop.train_step
+
+    def dies_on_step_4(*args, **kwargs):
+        metrics = real(*args, **kwargs)
+        if args[3] == 3:  # (model, updater, batch, step, ...): the 0-based step of step 4
+            raise RuntimeError("killed mid-step")
+        return metrics
+
+    monkeypatch.setattr(loop, "train_step", dies_on_step_4)
+    with pytest.raises(RuntimeError, match="killed mid-step"):
+        _run(tmp_path / "actions.jsonl", **DRIFT)
+    assert [a.step for a in read_actions(tmp_path / "actions.jsonl")] == [2, 3]
+
+
 def test_tighten_lowers_the_bound_the_producer_admits_under(core_stub_rewards, tmp_path):
     history = _run(tmp_path / "actions.jsonl",
                    **{**DRIFT, "max_staleness": 3, "schedule": "threaded", "guard_policy": "tighten", "steps": 12})
