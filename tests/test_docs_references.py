@@ -19,7 +19,8 @@ PATH = re.compile(r"(?<![\w/.:-])((?:\.\./)?(?:a3po|tasks|flows|bench|eval|infra
                   r"|[\w-]+\.(?:py|md|sh|yaml|json|toml|png))(?![\w])")
 DOTTED = re.compile(r"(?<![\w./-])((?:a3po|tasks|flows|bench|eval|infra)(?:\.[A-Za-z_]\w*)+)")
 # Files a run writes or the reader creates, named in the docs but not in the repository.
-NOT_REPO_FILES = {"comparison.md", "claims.md", "parity.md", "pairs.md", "pairs_by_set.md", "stability.png", "reward_curves.png", "script.py", "infra/hostfile"}
+NOT_REPO_FILES = {"comparison.md", "claims.md", "parity.md", "pairs.md", "pairs_by_set.md", "stability.png", "reward_curves.png", "script.py",
+                  "infra/hostfile"}
 
 
 def _path_exists(rel: str, base: Path) -> bool:
