@@ -5,13 +5,14 @@ without importing the implementations (which sit above config and import it).
   against and the package each needs (checked by :func:`a3po.config.preflight.preflight`, not
   when a config is built: a config valid for GPU workers builds on the machine that submits it);
 * incremental decoders (``rollout.decoder``);
+* the torch engine's token samplers (``rollout.sampler``);
 * grading tasks (``data.task``);
 * prompt formats (``data.prompt_format``);
 * named model sources (``model.name``): pretrained models the factory materialises from an
   installed package, with the modules each needs (checked by preflight, like the engines).
 
 The real registries bind an implementation to each name: :data:`a3po.rollout.engines.ROLLOUT_ENGINES`
-(binding an undeclared engine raises), :data:`a3po.models.decoders.DECODERS`,
+(binding an undeclared engine raises), :data:`a3po.models.decoders.DECODERS`, :data:`a3po.rollout.sampling.SAMPLERS`,
 :data:`a3po.models.sources.MODEL_SOURCES` and :data:`a3po.grading.TASKS`; a test checks that they
 and this catalog agree name for name.
 No imports beyond the standard library and :mod:`a3po.registry`: ``a3po.data.prompts`` stays light.
@@ -52,6 +53,9 @@ for _entry in (
 
 # 'generic' works for any causal LM; 'llama_like' is also registered under the model types it covers.
 DECODER_NAMES: tuple[str, ...] = ("generic", "llama", "llama_like", "qwen2")
+
+# How the torch engine draws a token (a3po.rollout.sampling): both exact, 'inverse_cdf' the cheaper on a CPU.
+SAMPLER_NAMES: tuple[str, ...] = ("inverse_cdf", "multinomial")
 
 TaskName = Literal["arith", "gsm8k", "math500", "aime24"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)

@@ -46,6 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # bf16 compute on fp32 master weights and a bf16 rollout engine where the CPU has native bf16
         # (AMX / AVX512-BF16), fp32 elsewhere (a3po.devices.resolve_precision).
         "dtype": "auto",
+        # One uniform number per drawn token instead of one per vocabulary entry (49,152 here): ~30 ms of
+        # each decode step at batch 16 on a CPU (a3po.rollout.sampling).
+        "rollout": {"sampler": "inverse_cdf"},
     },
 }
 

@@ -14,7 +14,7 @@ from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, CorrectionSettings
 from a3po.algorithms.staleness import STALENESS_CONTROLS, StalenessSettings
-from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, PromptFormat, TaskName
+from a3po.catalog import DECODER_NAMES, ROLLOUT_ENGINE_NAMES, SAMPLER_NAMES, PromptFormat, TaskName
 from a3po.devices import Device, DType
 
 # Seeds go to random.Random, torch.manual_seed and numpy alike, plus small offsets (per step, per
@@ -635,6 +635,12 @@ class RolloutConfig:
     'bfloat16' / 'float32'. A bf16 engine beside an fp32 trainer samples from a bf16 copy of each
     version: an engine whose log-probs differ from the trainer's, as a bf16 inference engine's do
     (what ``rl.rollout_correction`` corrects). The torch engine only: vLLM runs in the run's precision."""
+    sampler: str = "multinomial"
+    """How the torch engine draws each token (:mod:`a3po.rollout.sampling`): 'multinomial'
+    (``torch.multinomial``: one random number per vocabulary entry) or 'inverse_cdf' (one per row,
+    through the running sum of the probabilities; far cheaper over a large vocabulary on a CPU). Both
+    are exact samples; a run's tokens depend on which, as on the seed. The torch engine only: vLLM
+    samples with its own sampler."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -656,6 +662,11 @@ class RolloutConfig:
         if self.weight_updates == "decode_step" and not engine.mid_batch_updates:
             raise ValueError(f"rollout.weight_updates 'decode_step': the {self.engine} engine "
                              "only loads weights between batches; use 'batch' (or null)")
+        if self.sampler not in SAMPLER_NAMES:
+            raise ValueError(f"rollout.sampler must be one of {sorted(SAMPLER_NAMES)}, got {self.sampler!r}")
+        if self.sampler != "multinomial" and self.engine != "torch":
+            raise ValueError(f"rollout.sampler {self.sampler!r} is for the torch engine; the {self.engine} engine "
+                             "samples with its own sampler (leave rollout.sampler 'multinomial')")
         if self.decoder != "auto" and self.decoder not in DECODER_NAMES:
             raise ValueError(f"rollout.decoder must be 'auto' or one of {sorted(DECODER_NAMES)}, got {self.decoder!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:

@@ -57,7 +57,7 @@ def _build_torch(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tens
     engine_model = empty_like(policy, dtype.torch)
     engine_model.load_state_dict(state)
     return RolloutEngine(engine_model.eval(), tokenizer.eos_token_id, tokenizer.pad_token_id, version=version,
-                         decoder=cfg.rollout.decoder)
+                         decoder=cfg.rollout.decoder, sampler=cfg.rollout.sampler)
 
 
 def _build_vllm(policy: torch.nn.Module, tokenizer, state: dict[str, torch.Tensor], version: int, cfg: TrainConfig,

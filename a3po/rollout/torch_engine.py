@@ -27,6 +27,7 @@ from a3po.devices import model_device, sampling_generator
 from a3po.models.decoders import decoder_for, forget_fused
 from a3po.models.logprobs import position_ids_from_mask, sampling_log_softmax
 from a3po.rollout.padding import left_pad
+from a3po.rollout.sampling import SAMPLERS
 from a3po.rollout.types import BetweenSteps, OnToken, RolloutBatch, SamplingParams, StopEarly
 
 
@@ -34,15 +35,17 @@ class RolloutEngine:
     """Samples from ``model`` in batches. ``version`` is the policy version of the current
     weights; ``between_steps(step)`` may load new weights and return their version. ``decoder``:
     the incremental decoder (:mod:`a3po.models.decoders`; ``auto`` = the fast one registered for the
-    model's type where it applies, else the model's own forward)."""
+    model's type where it applies, else the model's own forward). ``sampler``: how a token is drawn
+    (:data:`a3po.rollout.sampling.SAMPLERS`)."""
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, version: int = 0,
-                 decoder: str = "auto") -> None:
+                 decoder: str = "auto", sampler: str = "multinomial") -> None:
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.version = version
         self.decoder = decoder
+        self.draw = SAMPLERS.get(sampler)  # an unknown sampler fails here, not at the first batch
         decoder_for(model, decoder)  # an unknown or unsupported decoder fails here, not at the first batch
         forget_fused(model)  # the model may have changed since another engine decoded it
 
@@ -162,7 +165,7 @@ class RolloutEngine:
             if params.temperature == 0:
                 tok = logp.argmax(-1)
             else:
-                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+                tok = self.draw(logp.exp(), generator)
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
             new_tokens[:, t] = tok
             new_logp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1),

@@ -344,16 +344,18 @@ def test_config_imports_nothing_above_it():
 
 
 def test_the_registries_bind_exactly_the_names_the_catalog_declares():
-    from a3po.catalog import DECODER_NAMES, MODEL_SOURCE_NAMES, ROLLOUT_ENGINE_NAMES, TASK_NAMES
+    from a3po.catalog import DECODER_NAMES, MODEL_SOURCE_NAMES, ROLLOUT_ENGINE_NAMES, SAMPLER_NAMES, TASK_NAMES
     from a3po.grading import TASKS
     from a3po.models.decoders import DECODERS
     from a3po.models.sources import MODEL_SOURCES
     from a3po.rollout.engines import ROLLOUT_ENGINES
+    from a3po.rollout.sampling import SAMPLERS
 
     assert ROLLOUT_ENGINES.names() == ROLLOUT_ENGINE_NAMES.names()
     for name in ROLLOUT_ENGINES:
         assert ROLLOUT_ENGINES.get(name).mid_batch_updates is ROLLOUT_ENGINE_NAMES.get(name).mid_batch_updates, name
     assert DECODERS.names() == sorted(DECODER_NAMES)
+    assert SAMPLERS.names() == sorted(SAMPLER_NAMES)
     assert TASKS.names() == sorted(TASK_NAMES)
     assert MODEL_SOURCES.names() == MODEL_SOURCE_NAMES.names()
 
