@@ -13,12 +13,13 @@ an update and a decode achieve, alone and overlapped.
    FLOPs = 3 x forward (backward ~ 2 x forward), forward = 2 x body parameters x tokens (embeddings
    are lookups) + 2 x hidden x vocabulary x response tokens (the head) + causal attention
    2 x layers x T^2 x (heads x head dim) per sequence.
-3. Decode: the project's engine and transformers' ``generate``, ``--batch`` rows of the same prompts,
+3. Decode: the project's engine (once per ``rollout.sampler``: ``multinomial``, ``inverse_cdf``, the row
+   ``engine+inverse_cdf``) and transformers' ``generate``, ``--batch`` rows of the same prompts,
    up to ``--decode-tokens`` new tokens at T = 1; ``bf16`` decodes a bf16 copy of the weights (the
    engine's copy under ``dtype: auto``). Only live rows' tokens count (EOS included, padding not):
    FLOPs = the prefill's forward (its last position's head only) + per generated token 2 x (body
    parameters + hidden x vocabulary) + attention 4 x layers x context x (heads x head dim).
-4. Overlap (the disaggregated placement's split): the update and the engine's decode in two processes
+4. Overlap (the disaggregated placement's split): the update and the engine's decode (``--sampler``) in two processes
    pinned one core each, each phase alone on its core and then both at once; a phase's time is the
    median of its reps that ran wholly while the other phase ran too.
 
@@ -27,8 +28,8 @@ an update and a decode achieve, alone and overlapped.
    precision's logits dtype), as the full fp32 log-softmax (``sampling_log_softmax``, the path of a top-p
    below 1) and as ``picked_logprobs``' chunks (what the trainer runs); and one decode step's draw of
    ``--batch`` tokens, as the engine's ``torch.multinomial`` (one exponential per vocabulary entry) and as
-   :func:`inverse_cdf_draw` (one uniform number per row), a candidate the engine does not use: it would
-   change every run's random stream. Median milliseconds of ``--reps``.
+   :func:`~a3po.rollout.sampling.inverse_cdf_draw` (one uniform number per row: ``rollout.sampler:
+   inverse_cdf``). Median milliseconds of ``--reps``.
 
 Percent of peak is against the peak of the phase's matmul precision (fp32 or bf16) on the same threads
 (the overlap: on one thread). Prints a table, then as the very last line one JSON object.
@@ -52,6 +53,7 @@ from a3po.devices import cpu_native_bf16, set_autocast
 from a3po.models.factory import count_parameters, empty_like, load_model
 from a3po.models.logprobs import picked_logprobs, sampling_log_softmax, token_logprobs
 from a3po.placement.cores import usable_core_ids
+from a3po.rollout.sampling import SAMPLERS, inverse_cdf_draw
 from a3po.rollout.torch_engine import RolloutEngine
 from a3po.rollout.types import SamplingParams
 from bench.rollout_engines import TransformersGenerate
@@ -174,15 +176,6 @@ def _timed(fn, reps: int) -> tuple[float, list]:
     return statistics.median(times), fn_out[1:]
 
 
-def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row of the categorical ``probs`` ``(n, V)`` from its uniform ``u`` ``(n, 1)`` in
-    ``[0, 1)``: the first ``i`` with ``C_i > u C_V``, ``C_i = p_1 + ... + p_i`` (kept below ``C_V``)."""
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
-
-
 def vocabulary(args, vocab: int, precision: str) -> dict[str, float]:
     """Milliseconds of the work over the vocabulary (module docstring, 5), each way, median of ``args.reps``."""
     gen = torch.Generator().manual_seed(0)
@@ -223,7 +216,7 @@ def _phase_worker(args_dict: dict, phase: str, precision: str, core: int, start,
     args = argparse.Namespace(**args_dict)
     model, tok = load(args.model)
     update, decoder_model, prompts = _setup(args, model, tok, precision)
-    engine = RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id)
+    engine = RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id, sampler=args.sampler)
     run = update if phase == "update" else (lambda: _decode_once(engine, prompts, args.decode_tokens, 0))
     run()  # untimed
     start.wait()
@@ -295,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens at most per decoded row (default 64)")
     ap.add_argument("--reps", type=int, default=3, help="timed repeats of each measurement (default 3)")
     ap.add_argument("--no-overlap", action="store_true", help="skip the two pinned processes")
+    ap.add_argument("--sampler", default="inverse_cdf", choices=sorted(SAMPLERS),
+                    help="rollout.sampler of the overlap's decode (default inverse_cdf, the smol preset's)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if (
         min(args.threads, args.matmul_n, args.batch, args.prompt_len, args.response_len, args.decode_tokens, args.reps)
@@ -333,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         phases["update"][p] = {"flops": update_flops, "s": s}
         engines = {
             "engine": RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id),
+            "engine+inverse_cdf": RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id, sampler="inverse_cdf"),
             "transformers": TransformersGenerate(decoder_model, tok.eos_token_id, tok.pad_token_id),
         }
         for name, engine in engines.items():

@@ -50,7 +50,7 @@ def run_bound(bound: int, args: argparse.Namespace, out: Path) -> dict:
                                experiment=f"staleness-{bound}", output_dir=str(folder)))
         summary, parent = res["summary"], res["parent_run_id"]
     if not args.keep_checkpoints:  # a finished comparison needs none; a 135M model's are ~3 GB each
-        for ckpt in folder.glob("*/checkpoints"):
+        for ckpt in list(folder.rglob("checkpoints")):
             shutil.rmtree(ckpt, ignore_errors=True)
     rows = summary["rows"]
     claims = [c for c in check_claims(rows, summary["target"]) if c["claim"] in CLAIMS_HERE]

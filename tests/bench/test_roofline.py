@@ -41,7 +41,7 @@ def test_roofline_runs_on_micro_and_ends_with_one_json_line(capsys):
     assert last["overlap"] == {"skipped": "--no-overlap"}
     precisions = ["float32", "bf16"] if last["native_bf16"] else ["float32"]
     assert sorted(last["peak_gflops"]) == sorted(precisions) and sorted(last["update"]) == sorted(precisions)
-    assert sorted(last["decode"]) == sorted(f"{p}/{e}" for p in precisions for e in ("engine", "transformers"))
+    assert sorted(last["decode"]) == sorted(f"{p}/{e}" for p in precisions for e in ("engine", "engine+inverse_cdf", "transformers"))
     # The micro model (tests/bench/test_prox_logp.py): 15,104 parameters, the tied embedding 146 x 32 = 4,672
     # of them, so the body is 10,432; hidden 32, vocabulary 146, 1 layer, 2 heads of 16 (32 on the query side).
     assert (last["params"], last["body_params"]) == (15_104, 10_432)
