@@ -103,7 +103,7 @@ setup-smol: setup
 # The pretrained model end to end (docs/real-models.md): the smol preset, the three variants with
 # generation in a rollout worker process on its own cores (disaggregated), one seed; GSM8K and
 # MATH500 slices of the step-0 and final models where the benchmark files are (A3PO_SHARED_DATA
-# or ../shared/data; skipped when absent). About 45 minutes on 2 cores.
+# or ../shared/data; skipped when absent). About 40 minutes on 2 cores, set-up included.
 demo-real: setup-smol
 	$(BIN)/python -m flows.compare_variants --preset smol --placements disaggregated --benchmarks gsm8k,math500 \
 		--bench-limit 20 --bench-max-new-tokens 256
