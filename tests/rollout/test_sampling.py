@@ -61,6 +61,10 @@ def test_the_engine_under_inverse_cdf_records_the_log_probs_of_what_it_drew(micr
     if top_p == 1.0:  # top-p renormalises over the kept tokens: the recorded log-prob is of that distribution
         torch.testing.assert_close(a.behav_logp[m], fresh[m], rtol=0, atol=1e-4)
     assert bool((a.behav_logp[m] > -float("inf")).all())  # never a token top-p removed
+    # The draws are the sampler's: the same seed under torch.multinomial gives other tokens (fixed seeds:
+    # this holds or fails the same way every time).
+    other = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id).generate_batch(prompts, params, seed=3)
+    assert not torch.equal(a.input_ids, other.input_ids)
 
 
 def test_the_sampler_is_checked_when_the_config_is_built():
@@ -71,3 +75,15 @@ def test_the_sampler_is_checked_when_the_config_is_built():
     assert preset("smol").rollout.sampler == "inverse_cdf"
     with pytest.raises(KeyError, match="sampler"):
         RolloutEngine(build_tiny_model("micro", WORDS, seed=0)[0], 0, 0, sampler="gumbel")
+
+
+def test_the_torch_engine_built_from_a_config_draws_with_its_sampler(micro):
+    from a3po.devices import DType
+    from a3po.rollout.engines import ROLLOUT_ENGINES
+    from a3po.rollout.sampling import inverse_cdf_sampler, multinomial_sampler
+
+    model, tok = micro
+    for name, expected in (("inverse_cdf", inverse_cdf_sampler), ("multinomial", multinomial_sampler)):
+        cfg = with_overrides(preset("micro"), rollout={"sampler": name})
+        engine = ROLLOUT_ENGINES.get("torch").build(model, tok, model.state_dict(), 0, cfg, DType.FLOAT32)
+        assert engine.draw is expected, name
