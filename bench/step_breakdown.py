@@ -10,10 +10,10 @@ set to it; the dtypes run one after the other on the same machine, so their figu
 figure is the comparison's own (tasks.summary): the mean over a run's steps of ``perf/wait_time_s +
 perf/step_time_s`` (the step: wait for the batch + update), ``perf/generate_s`` (the producer's generation of
 the batch), ``perf/train_s`` (the update) and ``perf/idle_s`` (the trainer waiting for a batch), averaged over
-seeds. ``float32`` is the run before bf16
-compute (everything else in the code as it is now); ``auto`` computes in bf16 where the CPU has native bf16
-(AMX or AVX512-BF16) and in float32 elsewhere: the table says which it resolved to on this machine. The ratio
-columns are the float32 figure over the auto one (above 1: auto is faster).
+seeds. ``float32`` is the run before bf16 compute (everything else in the code as it is now); ``auto``
+computes in bf16 where the CPU has native bf16 (AMX or AVX512-BF16) and in float32 elsewhere: the table says
+which it resolved to on this machine. The ratio columns are the float32 figure over the auto one (above 1:
+auto is faster).
 
 Each dtype's comparison keeps its runs (MLflow in ``<out>/mlflow.db``, metrics, final models, summary) but
 not their checkpoints; re-running with the same ``--output-dir`` reuses the dtypes already compared. Prints a
@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
     for arm in rows[base]:
         for d in dtypes:
             figs = rows[d].get(arm, {})
-            r = {label: _ratio(rows[base][arm][k], figs.get(k)) for k, label in RATIOS} if d != base else {}
-            if d != base:
-                ratios.setdefault(arm, {})[d] = {k: (round(v, 4) if v is not None else None) for k, v in r.items()}
-            cells = [_fmt(figs.get(k)) for k, _ in FIGURES] + [_fmt(r.get(label), 2) + ("x" if r.get(label) else "") if d != base else ""
-                                                              for _, label in RATIOS]
+            cells = [_fmt(figs.get(k)) for k, _ in FIGURES]
+            if d == base:
+                cells += [""] * len(RATIOS)
+            else:
+                r = {label: _ratio(rows[base][arm][k], figs.get(k)) for k, label in RATIOS}
+                ratios.setdefault(arm, {})[d] = {label: None if v is None else round(v, 4) for label, v in r.items()}
+                cells += ["-" if v is None else f"{v:.2f}x" for v in r.values()]
             print(f"| {arm} | {d} | {precisions[d]} | " + " | ".join(cells) + " |")
     summary = {"bench": "step_breakdown", "preset": args.preset, "seeds": args.seeds, "steps": args.steps, "output_dir": str(out),
                "precisions": precisions, "rows": rows, "ratios": ratios}
