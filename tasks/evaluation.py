@@ -23,6 +23,8 @@ from typing import Any
 from prefect import task
 
 from a3po.config import TrainConfig
+from a3po.config.plan import evaluation_threads
+from a3po.placement.cores import usable_cores
 from a3po.storage.content import content_hash, sha256_file
 from tasks.runtime import run_logger
 
@@ -63,7 +65,7 @@ def _eval_cache_key(context, inputs) -> str | None:
             "model": model_hash(model_dir),
             "heldout": sha256_file(cfg.data.heldout_path) if cfg.data.heldout_path else None,
             "task": cfg.data.task,
-            "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, cfg.torch_threads],
+            "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, evaluation_threads(cfg, usable_cores())],
             "files": files,
             "skipped": sorted(skipped),
             "limit": inputs["limit"],
@@ -92,7 +94,7 @@ def evaluate(
     from a3po.training.heldout import evaluate_heldout
 
     t0 = time.perf_counter()
-    torch.set_num_threads(cfg.torch_threads)
+    torch.set_num_threads(evaluation_threads(cfg, usable_cores()))
     model, tokenizer = load_pretrained(model_dir)
     _, heldout, _ = load_rows(cfg.data, tokenizer)
     held = evaluate_heldout(model, tokenizer, heldout, cfg)  # the trainer's measure: eval/heldout_acc, eval/heldout_greedy_acc

@@ -116,3 +116,11 @@ class RunPlan:
             precision=precision,
             engine_dtype=cfg.rollout.dtype if cfg.rollout.dtype is not None else precision.engine,
         )
+
+
+def evaluation_threads(cfg: TrainConfig, cores: int) -> int:
+    """Intra-op threads of evaluating a finished checkpoint in a process that may use ``cores``
+    cores. It runs alone, as a synchronous step's generation does, so by the same rule:
+    ``generate_threads`` (0: every core), never fewer than ``torch_threads``. Greedy answers may
+    round differently on another thread count, so the evaluation cache keys on this figure."""
+    return max(cfg.torch_threads, cfg.generate_threads or cores)

@@ -745,7 +745,8 @@ class TrainConfig:
     with other work, OpenMP threads beyond the free cores slow an update down many times: set 1."""
     generate_threads: int = 1
     """Intra-op threads of generation where the trainer idles meanwhile (sync, rollouts in
-    process; see a3po.placement.cores); 0: every core. Worth it where a batch takes seconds (the
+    process; see a3po.placement.cores) and of evaluating a checkpoint (the warm start's held-out
+    figure and each final model's: a3po.config.plan.evaluation_threads); 0: every core. Worth it where a batch takes seconds (the
     ``smol`` preset sets 0: a synchronous step's generation then runs at twice the speed); where
     decode steps take milliseconds (``tiny``) it slowed the update that follows (0.27 s a step
     instead of 0.17 s; likely the generation threads' OpenMP pool still spinning), hence 1 by default.

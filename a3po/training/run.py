@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from a3po.config import RunPlan, TrainConfig, preflight, warmstart_key
+from a3po.config.plan import evaluation_threads
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows, prompt_style, require_batch_rows
 from a3po.devices import (
@@ -96,6 +97,7 @@ def prepare_warmstart(cfg: TrainConfig, cache_root: str | Path,
     else:
         log("warm start: skipped (warm_start.steps = 0); RL starts from the model as it is")
     ws = warm_start(model, tokenizer, train_rows, cfg.warm_start, style=prompt_style(cfg.data))
+    torch.set_num_threads(evaluation_threads(cfg, usable_cores()))  # the step-0 figure, measured as each final one is
     held = evaluate_heldout(model, tokenizer, heldout_rows, cfg)
     acc = held["eval/heldout_acc"]
     save_pretrained_atomic(model, tokenizer, out)

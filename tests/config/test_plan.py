@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from a3po.config import RLConfig, RunPlan, Variant, preset, with_overrides
+from a3po.config.plan import evaluation_threads
 from a3po.data.arithmetic import WORDS
 from a3po.data.datasets import load_rows
 from a3po.models.factory import build_tiny_model
@@ -100,6 +101,18 @@ def test_sync_in_one_process_gives_each_phase_every_core_async_variants_keep_tor
     for variant in ("recompute", "loglinear"):  # the producer decodes while the trainer trains
         plan = _plan(cores=8, rl={"variant": variant}, torch_threads=2, update_threads=3)
         assert (plan.alternate, plan.update_threads, plan.generate_threads) == (False, 2, 2)
+
+
+def test_an_evaluation_decodes_on_the_cores_a_synchronous_steps_generation_gets():
+    # It runs alone after training: generate_threads, 0 meaning every core, never below torch_threads.
+    smol_like = with_overrides(preset("micro"), torch_threads=1, generate_threads=0)
+    assert evaluation_threads(smol_like, cores=2) == 2
+    assert evaluation_threads(smol_like, cores=16) == 16
+    as_shipped = with_overrides(preset("micro"), torch_threads=1, generate_threads=1)
+    assert evaluation_threads(as_shipped, cores=16) == 1  # tiny's evaluations keep their one thread (and bits)
+    assert evaluation_threads(with_overrides(preset("micro"), torch_threads=3, generate_threads=1), cores=16) == 3
+    assert evaluation_threads(with_overrides(preset("micro"), torch_threads=1, generate_threads=4), cores=16) == 4
+    assert evaluation_threads(preset("smol"), cores=2) == 2  # the pretrained preset decodes on both cores here
 
 
 @pytest.mark.parametrize(
