@@ -746,8 +746,9 @@ class TrainConfig:
     generate_threads: int = 1
     """Intra-op threads of generation where the trainer idles meanwhile (sync, rollouts in
     process; see a3po.placement.cores) and of evaluating a checkpoint (the warm start's held-out
-    figure and each final model's: a3po.config.plan.evaluation_threads); 0: every core. Worth it where a batch takes seconds (the
-    ``smol`` preset sets 0: a synchronous step's generation then runs at twice the speed); where
+    figure and each final model's: a3po.config.plan.evaluation_threads); 0: every core. Worth it
+    where a batch takes seconds (the ``smol`` preset sets 0: a synchronous step's generation then
+    runs at twice the speed); where
     decode steps take milliseconds (``tiny``) it slowed the update that follows (0.27 s a step
     instead of 0.17 s; likely the generation threads' OpenMP pool still spinning), hence 1 by default.
     Decoding on another thread count may round differently, so a run is bit-reproducible for a
@@ -798,11 +799,6 @@ class TrainConfig:
                              "to send the trainer's log-probs back")
         if self.rl.guard_every and GUARD_POLICIES.get(self.rl.guard_policy).tightens:
             self._check_tighten()
-        if STALENESS_CONTROLS.get(self.rl.staleness_control).adapts and self.distributed.rollout_workers:
-            # Each worker process admits batches against its own copy of the bound; nothing sends it a new one.
-            raise ValueError("rl.staleness_control 'adaptive' with distributed.rollout_workers is not supported: each "
-                             "worker admits batches under its own copy of the bound, which the trainer cannot move; "
-                             "use rl.staleness_control 'fixed', or rollouts in process (distributed.rollout_workers 0)")
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set "
@@ -833,12 +829,8 @@ class TrainConfig:
                              "run beside it). Use rl.eval_mode 'inline'")
 
     def _check_tighten(self) -> None:
-        """Where the guard may lower the staleness bound mid-run: admission alone must enforce it."""
-        if self.distributed.rollout_workers:
-            # Each worker process admits batches against its own copy of the bound; nothing sends it a new one.
-            raise ValueError("rl.guard_policy 'tighten' with distributed.rollout_workers is not supported: each "
-                             "worker admits batches under its own copy of the bound, which the trainer cannot lower; "
-                             "use 'warn' or 'recompute', or rollouts in process (distributed.rollout_workers 0)")
+        """Where the guard may lower the staleness bound mid-run: admission alone must enforce it
+        (rollout workers take the bound with each version: a3po.placement.rollout_workers)."""
         if self.rl.schedule == "deterministic":
             # The schedule derives each batch's versions, and the store the versions it keeps, from the bound.
             raise ValueError("rl.guard_policy 'tighten' with rl.schedule 'deterministic': the schedule fixes each "

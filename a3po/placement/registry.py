@@ -32,6 +32,9 @@ class Producer(Protocol):
 
     def next_batch(self, timeout: float = 600.0) -> ScoredBatch: ...
 
+    def set_bound(self, bound: int) -> None:
+        """The staleness bound for the admissions from the next published version on."""
+
     def stop(self) -> None: ...
 
     def join(self, timeout: float | None = None) -> None: ...

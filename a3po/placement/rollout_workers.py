@@ -19,10 +19,12 @@ trainer ranks' world) over {trainer rank 0, workers}, each used by one thread pe
 * **weights** (broadcast from the trainer): a JSON hello (first batch, last batch, the weights'
   layout, the versions that follow at once: the checkpoint's history on resume; with OPPO the
   critic's layout and each worker's checkpointed OPPO state), then every version the trainer
-  publishes, in order: an int64 header ``[version]`` and the state dict as one byte buffer (exact:
-  bytes, not values), with ``oppo.intra`` and a critic followed by the critic's state of that
-  version; header ``[-1]`` ends the run. The versions are the trainer's weight store's: whole
-  weights, gathered by every trainer rank under ZeRO-3. With
+  publishes, in order: an int64 header ``[version, bound]`` and the state dict as one byte buffer
+  (exact: bytes, not values), with ``oppo.intra`` and a critic followed by the critic's state of
+  that version; header ``[-1, 0]`` ends the run. ``bound`` is the staleness bound in force when the
+  trainer published the version (it moves under ``rl.staleness_control: adaptive`` and the guard's
+  ``tighten``); each worker's admission takes it before the version enters its store. The versions
+  are the trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3. With
   ``model.lora`` a version is the adapters alone (what the store holds): the worker builds the
   trainer's peft model on the same warm start (:func:`worker_inputs`; the adapters' ``A`` is drawn
   from a fixed seed and ``B`` is 0, so the two start equal) and merges each version into its own
@@ -56,8 +58,12 @@ With several trainer ranks, rank 0 broadcasts each batch, in the same framing, t
 a gloo group of the trainers' world (:class:`SharedRollouts`); each trains on its shard.
 
 The staleness bound holds across processes: a worker admits batch ``j`` only once *it* has
-received version ``j - max_staleness`` (:class:`a3po.producer.producer.Admission` on its own store),
-and what it has received is never newer than what the trainer has published. Tensors travel
+received version ``j - b`` (:class:`a3po.producer.producer.Admission` on its own store), and what
+it has received is never newer than what the trainer has published. ``b`` is the bound that came
+with the newest version the worker holds: where the trainer moves its bound after step ``t``, the
+workers admit under the new one from version ``t + 1`` on (in one process the producer's admission
+takes it just before that version is published; here with it). Batches admitted under the old
+bound stay, as in one process. Tensors travel
 through host memory (gloo), on GPUs too: one transport, and exact.
 
 A worker that dies (SIGKILL, OOM) breaks the trainer's receive: the run fails naming the
@@ -128,27 +134,33 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dic
     return out
 
 
-def _push_version(version: int, states: list[dict[str, torch.Tensor]], link: Link) -> None:
-    """Version ``version``: the policy's state, then the critic's with ``oppo.intra``."""
-    link.broadcast(torch.tensor([version], dtype=torch.int64), TRAINER)
+def _push_version(version: int, bound: int, states: list[dict[str, torch.Tensor]], link: Link) -> None:
+    """Version ``version`` with the staleness bound in force from it on: the policy's state, then
+    the critic's with ``oppo.intra``."""
+    link.broadcast(torch.tensor([version, bound], dtype=torch.int64), TRAINER)
     for state in states:
         link.broadcast(pack_state(state), TRAINER)
 
 
+def _push_stop(link: Link) -> None:
+    link.broadcast(torch.tensor([STOP, 0], dtype=torch.int64), TRAINER)
+
+
 def _receive_version(layouts: list[Layout], device: torch.device,
-                     link: Link) -> tuple[int, list[dict[str, torch.Tensor]]]:
-    """What :func:`_push_version` sent (one state per layout); ``(STOP, [])`` at the end of the run."""
-    header = torch.empty(1, dtype=torch.int64)
+                     link: Link) -> tuple[int, int, list[dict[str, torch.Tensor]]]:
+    """What :func:`_push_version` sent, ``(version, bound, states)`` (one state per layout);
+    ``(STOP, 0, [])`` at the end of the run."""
+    header = torch.empty(2, dtype=torch.int64)
     link.broadcast(header, TRAINER)
-    version = int(header)
+    version, bound = header.tolist()
     if version == STOP:
-        return version, []
+        return version, 0, []
     states = []
     for layout in layouts:
         buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
         link.broadcast(buf, TRAINER)
         states.append(unpack_state(buf, layout, device))
-    return version, states
+    return version, bound, states
 
 
 # --- samples: worker -> trainer ------------------------------------------------------------------
@@ -222,6 +234,24 @@ def receive_batch(src: int, link: Link, device: torch.device) -> ScoredBatch | s
 # --- the trainer's side --------------------------------------------------------------------------
 
 
+class VersionBounds:
+    """The staleness bound in force from each weight version on: the bound a version carries to
+    the workers is the one the trainer had set when it published that version (the pusher may
+    send it later, after the bound has moved again)."""
+
+    def __init__(self, start: int) -> None:
+        self._moves: list[tuple[int, int]] = [(0, start)]  # (first version, bound), versions rising
+
+    def move(self, first_version: int, bound: int) -> None:
+        if first_version < self._moves[-1][0]:
+            raise ValueError(f"the bound moved from version {first_version}, before its last move "
+                             f"(from version {self._moves[-1][0]})")
+        self._moves.append((first_version, bound))
+
+    def at(self, version: int) -> int:
+        return next(b for first, b in reversed(self._moves) if first <= version)
+
+
 class WorkerStates:
     """The OPPO states of every worker (carry-over ledger, chunk tuner), each as of that worker's
     newest batch delivered so far (or the checkpoint's; None: none yet). Batches are delivered in
@@ -262,6 +292,7 @@ class RemoteRollouts:
             self.oppo.tuners = list(saved)  # else the tuners start afresh: a schedule, not a ledger
         self.device = model_device(inp.policy)
         self.weights_link, self.samples_link = rollout_links()
+        self.bounds = VersionBounds(inp.plan.start_bound)  # guarded by the store's lock
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
         self._threads = [threading.Thread(target=self._push, name="weight-push", daemon=True),
@@ -281,6 +312,16 @@ class RemoteRollouts:
         if self.store.retention is not None:
             self.store.retention.hold("weight-push", version)
 
+    def set_bound(self, bound: int) -> None:
+        """The staleness bound for the workers' admissions from the next version the trainer
+        publishes on; it travels with that version (module docstring)."""
+        with self.store.cond:
+            self.bounds.move(self.store.latest + 1, bound)
+
+    def _bound_at(self, version: int) -> int:
+        with self.store.cond:
+            return self.bounds.at(version)
+
     def _states(self, version: int) -> list[dict[str, torch.Tensor]]:
         return [self.store.get(version)] + ([self.critic_store.get(version)] if self.critic_store is not None else [])
 
@@ -293,7 +334,7 @@ class RemoteRollouts:
                                      "critic_layout": critic_layout, "oppo_state": self.oppo.carry,
                                      "intra_state": self.oppo.tuners})
             for v in versions:
-                _push_version(v, self._states(v), self.weights_link)
+                _push_version(v, self._bound_at(v), self._states(v), self.weights_link)
             last = versions[-1]
             self._hold(last + 1)
             while True:
@@ -302,12 +343,12 @@ class RemoteRollouts:
                         self.store.cond.wait(timeout=1.0)
                     latest, halting = self.store.latest, self._halt.is_set()
                 for v in range(last + 1, latest + 1):
-                    _push_version(v, self._states(v), self.weights_link)
+                    _push_version(v, self._bound_at(v), self._states(v), self.weights_link)
                     last = v
                     self._hold(last + 1)
                 if halting:
                     break
-            self.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64), TRAINER)
+            _push_stop(self.weights_link)
         except BaseException as e:
             if not self._halt.is_set():
                 self.out.put(ProducerFailed("sending weights to the rollout workers (ranks "
@@ -396,6 +437,11 @@ class SharedRollouts:
         if self.source is not None:
             self.source.load_state_dict(state)
 
+    def set_bound(self, bound: int) -> None:
+        """Every trainer rank moves its bound alike (rank 0's measures); rank 0 hands it to the workers."""
+        if self.source is not None:
+            self.source.set_bound(bound)
+
     def stop(self) -> None:
         if self.source is not None:
             self.source.stop()
@@ -450,8 +496,10 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
             critic_store.publish(version, states[1])
         store.publish(version, states[0])
 
+    bound = inp.plan.start_bound
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
-        publish(*_receive_version(layouts, device, weights_link))
+        version, bound, states = _receive_version(layouts, device, weights_link)
+        publish(version, states)
     first = hello["start"] + (k - hello["start"]) % n
     # The engine's log-prob error against this worker's trainer-precision copy (proximal: metrics)
     # travels to the trainer in each batch's figures. The rollout correction's own log-probs do not:
@@ -459,14 +507,18 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
     producer = local_producer(inp, store, first, stride=n, end=hello["end"], check=behaviour_check(inp, store))
     if inp.cfg.oppo.inter:  # this worker's carry-over as the checkpoint kept it (None: none trained yet)
         producer.load_state_dict(hello["oppo_state"][k])
+    if bound != producer.max_staleness:
+        producer.set_bound(bound)
 
     def receive_weights() -> None:
         try:
             while True:
-                version, states = _receive_version(layouts, device, weights_link)
+                version, bound, states = _receive_version(layouts, device, weights_link)
                 if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
                     producer.out.put(None)
                     return
+                if bound != producer.max_staleness:  # before the version: admissions on it see its bound
+                    producer.set_bound(bound)
                 publish(version, states)
         except BaseException as e:
             producer.out.put(ProducerFailed(f"rollout worker rank {ranks.rank} lost the trainer (rank {TRAINER}) "

@@ -21,7 +21,7 @@ from a3po.parallel.updaters import Updater, make_updater
 from a3po.placement.cores import usable_cores
 from a3po.placement.in_process import RolloutInputs, weight_retention
 from a3po.placement.registry import ROLLOUT_PLACEMENTS, Producer
-from a3po.producer.producer import RolloutProducer, ScoredBatch
+from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.storage.checkpoint import save_checkpoint
 from a3po.training.actions import ActionLog
@@ -303,7 +303,7 @@ def _train_next_batch(
         in_force = bound.bound
         metrics.update(bound.after_step(step, metrics, wait))
         if bound.bound != in_force:
-            _set_bound(producer, bound.bound)
+            producer.set_bound(bound.bound)  # in process: its admission; rollout workers: with the next version
     for ext in extensions:
         ext.after_update(step, scored)
     with updater.full_weights():
@@ -314,16 +314,6 @@ def _train_next_batch(
     metrics.update(scored.metrics)
     metrics.update(_latency_breakdown(scored.gen_time_s, metrics["perf/step_time_s"], wait))
     return metrics, scored
-
-
-def _set_bound(producer: Producer, bound: int) -> None:
-    """Hand a moved staleness bound (the guard's ``tighten``, ``rl.staleness_control: adaptive``) to the
-    producer's admission. Rollouts in process only: the config refuses both with rollout workers
-    (their own admission)."""
-    if not isinstance(producer, RolloutProducer):
-        raise RuntimeError(f"the staleness bound of a {type(producer).__name__} cannot change mid-run "
-                           "(rl.guard_policy 'tighten' and rl.staleness_control 'adaptive' need rollouts in process)")
-    producer.set_bound(bound)
 
 
 def _record_evaluation(ev: Evaluated, step: int, metrics: dict[str, float] | None, run: RunState,

@@ -31,10 +31,13 @@ def test_refused_naming_the_field(rl, match):
         config_from_dict({"rl": rl})
 
 
-def test_rollout_workers_admit_under_a_bound_the_trainer_cannot_move():
-    with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with distributed.rollout_workers is not supported"):
-        config_from_dict({"rl": ADAPTIVE, "distributed": {"rollout_workers": 1}})
-    assert config_from_dict({"rl": {"max_staleness": 4}, "distributed": {"rollout_workers": 1}}).rl.staleness_control == "fixed"
+def test_rollout_workers_run_an_adaptive_bound_under_the_threaded_schedule_only():
+    # The trainer pushes the bound with each version (a3po.placement.rollout_workers); the deterministic
+    # schedule fixes each batch's versions from the starting bound, workers or not.
+    cfg = config_from_dict({"rl": ADAPTIVE, "distributed": {"rollout_workers": 1}})
+    assert (cfg.rl.staleness_control, cfg.distributed.rollout_workers) == ("adaptive", 1)
+    with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with rl.schedule 'deterministic'"):
+        config_from_dict({"rl": {**ADAPTIVE, "schedule": "deterministic"}, "distributed": {"rollout_workers": 1}})
 
 
 def test_the_plan_starts_an_adaptive_bound_at_1_under_its_ceiling():

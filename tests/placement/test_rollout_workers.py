@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from a3po.config.preflight import deepspeed_available
-from a3po.placement.rollout_workers import pack_state, state_layout, unpack_state
+from a3po.placement.rollout_workers import VersionBounds, pack_state, state_layout, unpack_state
 from tests.support.cli_runs import assert_equal_runs, assert_same_trajectory, deepspeed_json, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
 from tests.support.cli_runs import share_warmstart as _share_warmstart
@@ -111,6 +111,30 @@ def test_staleness_bound_holds_across_processes_in_the_free_running_schedule(run
     st = [m["staleness/max"] for m in _metrics(run).values()]
     assert len(st) == STEPS and all(x <= 1.0 for x in st), st
     assert max(st) == 1.0, f"the worker never ran ahead, the bound was not exercised: {st}"
+
+
+@pytest.mark.slow
+def test_an_adaptive_bound_raised_by_the_trainer_reaches_the_worker(runs):
+    """Threaded schedule, ``rl.staleness_control: adaptive`` under a ceiling of 3, thresholds set so
+    that every step signals a raise (any wait at all, any weight): the trainer's bound goes 1 -> 2
+    -> 3 one step at a time. The worker (faster than the trainer here: the test above sees it run
+    a full version ahead at bound 1) admits under the bound that comes with each version, so its
+    batches reach staleness 2 once the raised bound has arrived; a worker that kept its starting
+    bound would never pass 1."""
+    tmp = runs["tmp"]
+    out = tmp / "adaptive"
+    _share_warmstart(tmp / "single", out)
+    config = _config(tmp, 1, schedule="threaded", max_staleness=3)
+    config.write_text(config.read_text().replace(
+        "max_staleness: 3}", "max_staleness: 3,\n     staleness_control: adaptive, staleness_idle_frac: 1.0e-9, "
+        "staleness_max_iw: 1.0e9, staleness_raise_iw: 1.0e9, staleness_patience: 1}"))
+    run = _train(config, out, nproc=2)
+    metrics = _metrics(run)
+    bounds = [metrics[s]["staleness/bound"] for s in sorted(metrics)]
+    staleness = [metrics[s]["staleness/max"] for s in sorted(metrics)]
+    assert bounds[:3] == [2.0, 3.0, 3.0] and set(bounds[2:]) == {3.0}, bounds  # raised after steps 1 and 2
+    assert all(x <= 3.0 for x in staleness), staleness
+    assert max(staleness) >= 2.0, f"the worker kept its starting bound 1: staleness {staleness}, bound {bounds}"
 
 
 # --- DeepSpeed trainer ranks and a rollout worker in one launch -----------------------------------
@@ -227,6 +251,16 @@ def test_weights_travel_as_exact_bytes_whatever_the_dtype():
     for k in state:
         assert back[k].dtype == state[k].dtype and back[k].shape == state[k].shape
         assert torch.equal(back[k], state[k]), k
+
+
+def test_a_version_carries_the_bound_in_force_when_it_was_published():
+    bounds = VersionBounds(1)
+    bounds.move(3, 2)  # set after step 2, before version 3 was published
+    bounds.move(5, 3)
+    bounds.move(5, 2)  # moved twice before version 5: the last one holds
+    assert [bounds.at(v) for v in range(8)] == [1, 1, 1, 2, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="before its last move"):
+        bounds.move(4, 1)
 
 
 def test_rollout_worker_config_errors_name_the_field(tmp_path):

@@ -65,11 +65,12 @@ def test_the_configs_the_staleness_arms_build():
 
 
 def test_adaptive_arms_where_the_bound_cannot_move_are_refused_naming_the_field():
-    with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with distributed.rollout_workers"):
-        Arm.parse("loglinear+oppo-inter+adaptive@disaggregated").config(preset("micro"), 0)
     with pytest.raises(ConfigError, match="rl.staleness_control 'adaptive' with rl.max_staleness 1"):
         Arm.parse("loglinear+adaptive-s1").config(preset("micro"), 0)
     assert Arm.parse("loglinear+oppo-inter+adaptive").config(preset("micro"), 0).oppo.inter  # colocated: it runs
+    disaggregated = Arm.parse("loglinear+adaptive-s8@disaggregated").config(preset("micro"), 0)  # workers take the bound
+    assert (disaggregated.rl.staleness_control, disaggregated.rl.max_staleness) == ("adaptive", 8)
+    assert disaggregated.distributed.rollout_workers == 1
 
 
 def test_arms_expand_and_compare_with_sync_and_recompute_at_their_bound():

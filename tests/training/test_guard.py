@@ -82,11 +82,12 @@ def test_invalid_guard_settings_are_refused_naming_the_fields(rl, match):
         config_from_dict({"rl": rl})
 
 
-def test_tighten_is_refused_with_rollout_workers_whose_admission_the_trainer_cannot_reach():
+def test_tighten_runs_with_rollout_workers_under_the_threaded_schedule_only():
+    # Workers take the lowered bound with the next version (a3po.placement.rollout_workers).
     rl = {"guard_every": 2, "guard_policy": "tighten", "schedule": "threaded"}
-    with pytest.raises(ValueError, match="'tighten' with distributed.rollout_workers"):
-        config_from_dict({"rl": rl, "distributed": {"rollout_workers": 1}})
-    assert config_from_dict({"rl": rl}).rl.guard_policy == "tighten"
+    assert config_from_dict({"rl": rl, "distributed": {"rollout_workers": 1}}).rl.guard_policy == "tighten"
+    with pytest.raises(ValueError, match="'tighten' with rl.schedule 'deterministic'"):
+        config_from_dict({"rl": {**rl, "schedule": "deterministic"}, "distributed": {"rollout_workers": 1}})
 
 
 def test_admission_lowers_its_bound_and_never_raises_it():
