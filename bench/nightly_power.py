@@ -179,7 +179,17 @@ def fail_rate_normal(rule: str, d: np.ndarray, k: int, effect: float, tolerance:
     return float(np.mean([verdict_fails(rule, n, calibrate(d), tolerance) for n in nights[: min(draws, 2000)]]))
 
 
-def report_held_out(runs: Path, noise: dict[int, dict], held_out: list[int], ks: list[int], tolerance: float) -> dict[str, object]:
+def detectable_shortfall(sigma: float, n: int, k: int, power: float = 0.8, alpha: float = ALPHA) -> float:
+    """The smallest true shortfall the shortfall rule calibrated on ``n`` seeds (noise ``sigma``)
+    fails with probability ``power`` on a night of ``k`` seeds:
+    ``(t_{1 - alpha, n - 1} + z_power) * sigma * sqrt(1/k + 1/n)``."""
+    from scipy.stats import t as student_t
+
+    return float((student_t.ppf(1 - alpha, n - 1) + NormalDist().inv_cdf(power)) * sigma * np.sqrt(1 / k + 1 / n))
+
+
+def report_held_out(runs: Path, noise: dict[int, dict], held_out: list[int], ks: list[int], tolerance: float,
+                    effects: tuple[float, ...] = EFFECTS) -> dict[str, object]:
     """Print and return the verdicts on held-out seeds against the calibration on the others: the
     fail rate per rule x K x effect over every K-subset of the held-out seeds, and the nightly's
     own seeds as one healthy night."""
@@ -196,12 +206,12 @@ def report_held_out(runs: Path, noise: dict[int, dict], held_out: list[int], ks:
         print(f"\nOut of sample, steps {steps}: calibrated on seeds {nz['seeds']} (healthy_mean {mu:+.4f}, noise_sd {sigma:.4f}); "
               f"nights drawn from the held-out seeds {kept} (pooled difference mean {pooled.mean():+.4f}, sd {pooled.std(ddof=1):.4f}). "
               "Probability of a FAIL verdict (effect 0 = false alarm), over every K-subset of the held-out seeds:\n")
-        print("| rule | K | nights | " + " | ".join(f"effect {e:.2f}" for e in EFFECTS) + " |")
-        print("|---|---|---|" + "---|" * len(EFFECTS))
+        print("| rule | K | nights | " + " | ".join(f"effect {e:.2f}" for e in effects) + " |")
+        print("|---|---|---|" + "---|" * len(effects))
         rows = []
         for rule in ("noninferiority", "shortfall"):
             for k in (k for k in ks if k <= len(kept)):
-                rates = {e: fail_rate_held_out(rule, nz["d"], d, k, e, tolerance) for e in EFFECTS}
+                rates = {e: fail_rate_held_out(rule, nz["d"], d, k, e, tolerance) for e in effects}
                 nights = next(iter(rates.values()))[1]
                 rows.append({"rule": rule, "k": k, "nights": nights, **{f"fail@{e:.2f}": round(r, 3) for e, (r, _) in rates.items()}})
                 print(f"| {rule} | {k} | {nights} | " + " | ".join(f"{r:.2f}" for r, _ in rates.values()) + " |")
@@ -227,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plants", default="", help="comma-separated planted regressions to run on the candidate (bench._planted)")
     ap.add_argument("--plant-seeds", default=None, help="seeds of the planted runs (default: --seeds)")
     ap.add_argument("--ks", default="3,4,5,6,8", help="K seeds per night to evaluate")
+    ap.add_argument("--effects", default=",".join(f"{e:g}" for e in EFFECTS),
+                    help="comma-separated shortfalls to plant in the power tables, 0 = false alarms (default %(default)s)")
     ap.add_argument("--tolerance", type=float, default=0.1, help="the noninferiority rule's tolerance")
     ap.add_argument("--draws", type=int, default=20_000)
     ap.add_argument("--holdout-seeds", default=None, help="seeds judged as nights against the calibration on --seeds alone (disjoint from it)")
@@ -237,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     if set(held_out) & set(seeds):
         ap.error(f"--holdout-seeds {held_out} share {sorted(set(held_out) & set(seeds))} with --seeds {seeds}: a held-out night "
                  "must not be part of the calibration")
+    try:
+        effects = tuple(float(e) for e in args.effects.split(",") if e.strip())
+    except ValueError:
+        ap.error(f"--effects: comma-separated numbers, got {args.effects!r}")
+    if not effects or min(effects) < 0:
+        ap.error(f"--effects: one or more shortfalls >= 0, got {args.effects!r}")
     budgets = [int(s) for s in args.steps.split(",")]
     plants = [p for p in args.plants.split(",") if p]
     plant_seeds = parse_seeds(args.plant_seeds) if args.plant_seeds else seeds
@@ -271,15 +289,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = [int(k) for k in args.ks.split(",")]
     print("\nProbability of a FAIL verdict (effect 0 = false alarm), resampled seeds / normal model:\n")
-    print("| rule | steps | K | nightly wall (s) | " + " | ".join(f"effect {e:.2f}" for e in EFFECTS) + " |")
-    print("|---|---|---|---|" + "---|" * len(EFFECTS))
+    print("| rule | steps | K | nightly wall (s) | " + " | ".join(f"effect {e:.2f}" for e in effects) + " |")
+    print("|---|---|---|---|" + "---|" * len(effects))
     power: list[dict] = []
     for rule in ("noninferiority", "shortfall"):
         for steps, nz in noise.items():
             for k in ks:
                 wall = k * sum(nz["walls"].values())
                 cells, row = [], {"rule": rule, "steps": steps, "k": k, "nightly_wall_s": round(wall)}
-                for e in EFFECTS:
+                for e in effects:
                     rs = fail_rate_resampled(rule, nz["d"], k, e, args.tolerance) if k <= len(nz["d"]) - 3 else float("nan")
                     nm = fail_rate_normal(rule, nz["d"], k, e, args.tolerance, args.draws)
                     cells.append(f"{'-' if np.isnan(rs) else f'{rs:.2f}'} / {nm:.2f}")
@@ -294,11 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         t = shortfall_test([0.0, 0.0], 1.0, 1 - ALPHA, 0.0, n)[3] / np.sqrt(1 / 2 + 1 / n)
         room = (0.05 / ((t + NormalDist().inv_cdf(0.8)) * sigma)) ** 2 - 1 / n
         k_needed = int(np.ceil(1 / room)) if room > 0 else None
+        detectable = {k: round(detectable_shortfall(sigma, n, k), 4) for k in ks}
         figures["budgets"][str(steps)].update({"k_for_0.05_at_80pct": k_needed, "healthy_mean": round(mu, 4), "noise_sd": round(sigma, 4),
-                                               "calibration_seeds": n})
+                                               "calibration_seeds": n, "detectable_at_80pct": detectable})
         print(f"\nsteps {steps}: calibration of the shortfall rule: healthy_mean {mu:+.4f}, noise_sd {sigma:.4f} ({n} seeds); "
-              f"K >= {k_needed} seed(s) detect 0.05 with 80% power at {ALPHA:.0%} false alarms; tolerance at K seeds: "
-              f"{-mu:+.4f} + {t:.3f} x {sigma:.4f} x sqrt(1/K + 1/{n})")
+              + (f"K >= {k_needed} seed(s) detect 0.05" if k_needed else f"no K detects 0.05 on {n} calibration seeds")
+              + f" with 80% power at {ALPHA:.0%} false alarms; tolerance at K seeds: "
+              f"{-mu:+.4f} + {t:.3f} x {sigma:.4f} x sqrt(1/K + 1/{n}); the shortfall detected with 80% power at K seeds: "
+              + ", ".join(f"K = {k}: {v:.3f}" for k, v in detectable.items()))
 
     planted = {}
     for steps, nz in noise.items():
@@ -320,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{r} {v}" for r, v in verdicts.items()))
     figures["planted"] = planted
     if held_out:
-        figures["out_of_sample"] = report_held_out(runs, noise, held_out, ks, args.tolerance)
+        figures["out_of_sample"] = report_held_out(runs, noise, held_out, ks, args.tolerance, effects)
     print(json.dumps(figures))
     return 0
 
