@@ -98,12 +98,17 @@ class Calibration:
 # references recompute and sync, metric final_reward (smooth_frac 0.25). The nightly's budget is
 # calibrated on seeds 10-19, none of the nightly's (NIGHTLY_SEEDS), and was checked on nights drawn
 # from seeds 0-9 held out of it; the 150-step one (a budget no deployment runs) on seeds 0-9, so a
-# night on seeds 0-5 at 150 steps is judged in sample, and its rule's note says so.
+# night on seeds 0-5 at 150 steps is judged in sample, and its rule's note says so. The pretrained
+# preset at its 10 steps (bf16 where the CPU has it, 16 samples a step) on seeds 10-14, none of the
+# nightly's: its seed noise is five times tiny's at 75 steps, so at K = 3 seeds the rule detects a
+# 0.12 shortfall with 80% power (docs/results.md, "Reward parity on smol").
 CALIBRATIONS: dict[tuple[str, int], Calibration] = {
     ("tiny", 75): Calibration(healthy_mean=-0.0083, noise_sd=0.0104, measured_on=tuple(range(10, 20)),
                               command="python -m bench.nightly_power --steps 75 --seeds 10-19 --holdout-seeds 0-9"),
     ("tiny", 150): Calibration(healthy_mean=-0.0125, noise_sd=0.0322, measured_on=tuple(range(10)),
                                command="python -m bench.nightly_power --steps 150 --seeds 0-9"),
+    ("smol", 10): Calibration(healthy_mean=-0.0333, noise_sd=0.0558, measured_on=tuple(range(10, 15)),
+                              command="python -m bench.nightly_power --preset smol --steps 10 --seeds 10-14"),
 }
 CALIBRATED_ARMS = ("loglinear", ("recompute", "sync"), "final_reward")
 

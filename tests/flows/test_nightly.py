@@ -169,6 +169,10 @@ def test_the_deployed_nightly_decides_with_the_shortfall_rule_and_its_recorded_c
         assert (rule, noise_sd, healthy_mean, seeds) == ("shortfall", 0.0104, -0.0083, 10), note
         assert note.startswith("shortfall, calibrated on 10 seeds"), note
         assert note.endswith("out of sample: no seed of tonight's is a calibration seed"), note
+    # The pretrained preset at its own steps: calibrated on seeds 10-14, none of the nightly's 0-5.
+    rule, noise_sd, healthy_mean, seeds, note = rule_of(NightlySpec(preset="smol"))
+    assert (rule, noise_sd, healthy_mean, seeds) == ("shortfall", 0.0558, -0.0333, 5), note
+    assert note.endswith("out of sample: no seed of tonight's is a calibration seed"), note
     # A night on calibration seeds is said to be judged in sample.
     in_sample = rule_of(NightlySpec(seeds=[3, 12, 15]))[4]
     assert in_sample.endswith("IN SAMPLE: tonight's seeds [12, 15] are calibration seeds"), in_sample
