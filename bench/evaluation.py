@@ -29,7 +29,8 @@ FIGURES = ("heldout_acc", "heldout_greedy_acc")
 
 
 def step0_model(preset: str, cache: Path) -> tuple[str, object]:
-    """The preset's warm start (its folder) and its config with the held-out file the warm start used."""
+    """The preset's warm start (its folder) and the preset's config, whose data section the
+    evaluation reads its held-out rows from, as the warm start did."""
     from a3po.config import preset as preset_config
     from a3po.training.run import prepare_warmstart
 
