@@ -101,12 +101,13 @@ setup-smol: setup
 	$(BIN)/python -m pip install -q "gguf>=0.10"
 
 # The pretrained model end to end (docs/real-models.md): the smol preset, the three variants with
-# generation in a rollout worker process on its own cores (disaggregated), one seed; GSM8K and
-# MATH500 slices of the step-0 and final models where the benchmark files are (A3PO_SHARED_DATA
-# or ../shared/data; skipped when absent). About 40 minutes on 2 cores, set-up included.
+# generation in a rollout worker process on its own cores (disaggregated), two seeds, so that each
+# pair prints an interval over seeds, not one run's figure; GSM8K and MATH500 slices of the step-0
+# and final models where the benchmark files are (A3PO_SHARED_DATA or ../shared/data; skipped when
+# absent). Its wall time on 2 cores is in docs/results.md ("A pretrained model, disaggregated").
 demo-real: setup-smol
-	$(BIN)/python -m flows.compare_variants --preset smol --placements disaggregated --benchmarks gsm8k,math500 \
-		--bench-limit 20 --bench-max-new-tokens 256
+	$(BIN)/python -m flows.compare_variants --preset smol --placements disaggregated --seeds 0,1 \
+		--benchmarks gsm8k,math500 --bench-limit 20 --bench-max-new-tokens 256
 
 # The pretrained SmolLM2-135M-Instruct tests (tests/models/test_smol.py; they skip, naming this
 # target, where the package is absent, as in a plain `make test`).

@@ -23,7 +23,8 @@ from typing import Any
 from prefect import task
 
 from a3po.config import TrainConfig
-from a3po.config.plan import evaluation_threads
+from a3po.config.plan import decoding_dtype, evaluation_threads
+from a3po.devices import DType, machine_precision
 from a3po.placement.cores import usable_cores
 from a3po.storage.content import content_hash, sha256_file
 from tasks.runtime import run_logger
@@ -65,7 +66,8 @@ def _eval_cache_key(context, inputs) -> str | None:
             "model": model_hash(model_dir),
             "heldout": sha256_file(cfg.data.heldout_path) if cfg.data.heldout_path else None,
             "task": cfg.data.task,
-            "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, evaluation_threads(cfg, usable_cores())],
+            "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, evaluation_threads(cfg, usable_cores()),
+                        evaluation_dtype(cfg).value],
             "files": files,
             "skipped": sorted(skipped),
             "limit": inputs["limit"],
@@ -83,6 +85,16 @@ def _bench_file(name: str, data_dir: str) -> Path:
     return Path(resolve_local(name, data_dir))
 
 
+def evaluation_dtype(cfg: TrainConfig) -> DType:
+    """The weights an evaluation of a ``cfg`` run decodes from on this machine (evaluations run on
+    the CPU): the run's decoding dtype (:func:`a3po.config.plan.decoding_dtype`: bf16 under ``dtype:
+    auto`` where the CPU has native bf16, fp32 elsewhere), so the final figures are taken as the
+    step-0 and in-run held-out ones and the rollouts were."""
+    import torch
+
+    return decoding_dtype(cfg, machine_precision(cfg.dtype, torch.device("cpu")))
+
+
 def evaluate(
     model_dir: str, cfg: TrainConfig, benchmarks: list[str], data_dir: str | None, limit: int | None, bench_max_new_tokens: int, out_dir: str
 ) -> dict[str, Any]:
@@ -95,7 +107,8 @@ def evaluate(
 
     t0 = time.perf_counter()
     torch.set_num_threads(evaluation_threads(cfg, usable_cores()))
-    model, tokenizer = load_pretrained(model_dir)
+    dtype = evaluation_dtype(cfg)
+    model, tokenizer = load_pretrained(model_dir, dtype=dtype.torch)
     _, heldout, _ = load_rows(cfg.data, tokenizer)
     held = evaluate_heldout(model, tokenizer, heldout, cfg)  # the trainer's measure: eval/heldout_acc, eval/heldout_greedy_acc
     metrics = {k.replace("eval/", "eval/final/", 1): v for k, v in held.items()}
@@ -118,7 +131,7 @@ def evaluate(
                     metrics[f"eval/final/{bench}/{k.replace('@', '_at_')}"] = float(v)
         results_path = res.get("paths", {}).get("results")
     return {"metrics": metrics, "skipped": skipped, "benchmarks": ok, "results_path": results_path, "model_dir": model_dir,
-            "seconds": time.perf_counter() - t0}
+            "dtype": dtype.value, "seconds": time.perf_counter() - t0}
 
 
 @task(cache_key_fn=_eval_cache_key, persist_result=True, retries=1)  # idempotent: safe to retry

@@ -474,10 +474,13 @@ def close_parent_run_quietly(ref: TrackingRef, status: str = "FAILED", timeout_s
 
 @task(cache_policy=NO_CACHE)
 def log_evaluation(ref: TrackingRef, run_id: str, evaluation: dict[str, Any]) -> None:
-    """Evaluation metrics (``eval/final/...``) on the variant's child run; skipped benchmarks
-    become ``eval.skipped.<name>`` tags carrying the reason."""
+    """Evaluation metrics (``eval/final/...``) on the variant's child run, the weights' dtype they
+    were decoded from as the ``eval.dtype`` tag; skipped benchmarks become ``eval.skipped.<name>``
+    tags carrying the reason."""
     client = client_for(ref.tracking_uri)
     log_metrics_now(client, run_id, evaluation["metrics"], step=evaluation.get("step", 0))
+    if evaluation.get("dtype"):
+        client.set_tag(run_id, "eval.dtype", evaluation["dtype"])
     for name, reason in evaluation.get("skipped", {}).items():
         client.set_tag(run_id, f"eval.skipped.{name}", reason[:5000])
     if evaluation.get("results_path") and Path(evaluation["results_path"]).exists():

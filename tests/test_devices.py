@@ -77,6 +77,10 @@ def test_cpu_float32_warmstart_cache_keeps_its_key_and_bf16_gets_another():
     assert warmstart_folder(cfg, "cache").name == "warmstart-192d261a74f6350b"
     bf16 = config_from_dict({**config_to_dict(cfg), "dtype": "bfloat16"})
     assert warmstart_folder(bf16, "cache") != warmstart_folder(cfg, "cache")
+    # The step-0 held-out figure decodes from the engine's weights: an fp32 run with a bf16 engine has
+    # another figure, so another warm start record.
+    bf16_engine = config_from_dict({**config_to_dict(cfg), "rollout": {"dtype": "bfloat16"}})
+    assert warmstart_folder(bf16_engine, "cache") != warmstart_folder(cfg, "cache")
 
 
 def test_build_model_places_weights_in_the_configured_dtype():

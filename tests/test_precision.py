@@ -149,6 +149,30 @@ def test_a_copy_like_the_policy_computes_like_it_and_one_in_another_dtype_does_n
     assert not autocasts(empty_like(policy, torch.bfloat16))
 
 
+def test_held_out_figures_decode_from_the_engines_weights_and_leave_the_policy_as_it_is(monkeypatch):
+    """Under auto where bf16 is native, the held-out evaluation (step 0, in the run, final) decodes
+    from a bf16 copy, as the rollout engine does, and the autocast policy keeps its fp32 weights and
+    mark; under float32 it decodes from the policy itself, no copy."""
+    import a3po.devices
+    import a3po.training.heldout as heldout
+
+    policy, tok = build_tiny_model("micro", WORDS, seed=0)
+    _, rows, _ = load_rows(preset("micro").data, tok)
+    seen = []
+    monkeypatch.setattr(heldout, "generate_text", lambda model, tokenizer, prompts, *a, **k: seen.append(
+        (next(model.parameters()).dtype, autocasts(model), model is policy)) or [""] * len(prompts))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    for dtype, native, expected in (("auto", "amx_bf16", (torch.bfloat16, False, False)),
+                                    ("float32", "amx_bf16", (torch.float32, False, True))):
+        monkeypatch.setattr(a3po.devices, "native_bf16", lambda device, native=native: native)
+        set_autocast(policy, dtype == "auto")  # as the loop marks it under each
+        seen.clear()
+        heldout.heldout_evaluation(policy, tok, rows[:2], with_overrides(preset("micro"), dtype=dtype))
+        assert seen and set(seen) == {expected}, dtype
+        assert autocasts(policy) == (dtype == "auto") and next(policy.parameters()).dtype == torch.float32
+        assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+
 def _run(tmp_path, native: str | None, dtype: str = "auto", steps: int = 1, **rl):
     from a3po.training.loop import rl_train
 

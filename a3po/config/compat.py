@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from a3po.config.loading import config_to_dict
+from a3po.config.plan import decoding_dtype
 from a3po.config.schema import RENAMED_FIELDS, ArithmeticDifficulty, DataConfig, TrainConfig
 from a3po.devices import machine_precision, resolve_device
 
@@ -93,12 +94,14 @@ def warmstart_key(cfg: TrainConfig, inputs: dict[str, str]) -> str:
              "warm_start": dataclasses.asdict(cfg.warm_start), "measure": measure}
     if inputs:  # none for a built-in model on the embedded task: those keys stay as they were
         parts["inputs"] = inputs
-    # Another device or precision trains other weights. CPU fp32 is left out of the key, so caches
-    # made before devices were configurable keep their names; dtype auto counts as what it resolves
-    # to here (fp32 where bf16 is emulated: the same weights as float32, the same cache).
+    # Another device or precision trains other weights, and the held-out figure decodes from weights
+    # in the run's decoding dtype. CPU fp32 is left out of the key, so caches made before devices were
+    # configurable keep their names; dtype auto counts as what it resolves to here (fp32 where bf16 is
+    # emulated: the same weights as float32, the same cache).
     device = resolve_device(cfg.device)
-    runtime = {"device": device.type, "dtype": machine_precision(cfg.dtype, device).name}
-    if runtime != {"device": "cpu", "dtype": "float32"}:
+    precision = machine_precision(cfg.dtype, device)
+    runtime = {"device": device.type, "dtype": precision.name, "decoding": decoding_dtype(cfg, precision).value}
+    if runtime != {"device": "cpu", "dtype": "float32", "decoding": "float32"}:
         parts["runtime"] = runtime
     blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

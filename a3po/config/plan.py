@@ -114,8 +114,17 @@ class RunPlan:
             update_threads=(cfg.update_threads or every_core) if alternate else cfg.torch_threads,
             generate_threads=(cfg.generate_threads or every_core) if alternate else cfg.torch_threads,
             precision=precision,
-            engine_dtype=cfg.rollout.dtype if cfg.rollout.dtype is not None else precision.engine,
+            engine_dtype=decoding_dtype(cfg, precision),
         )
+
+
+def decoding_dtype(cfg: TrainConfig, precision: Precision) -> DType:
+    """The weights the torch rollout engine decodes from, and so every held-out and benchmark
+    evaluation of the run (step 0, in the run, the final model): ``rollout.dtype``, or the
+    precision's choice when it is null (a bf16 copy under ``dtype: auto`` where bf16 is native). An
+    evaluation samples as the run's rollouts do, at the engine's speed (a bf16 copy decodes about
+    twice as fast as fp32 on an AMX CPU; under autocast each decode step would cast every weight)."""
+    return cfg.rollout.dtype if cfg.rollout.dtype is not None else precision.engine
 
 
 def evaluation_threads(cfg: TrainConfig, cores: int) -> int:

@@ -263,6 +263,18 @@ def empty_like(policy: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     return model.to(dtype=model_dtype(policy) if dtype is None else dtype)
 
 
+def decoding_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` to decode from in ``dtype``: itself where its weights are in ``dtype`` and it
+    computes in them (not marked for autocast); else a whole copy (``copy.deepcopy``: the same class
+    and adapters; nothing shared, since the cast rewrites every tensor it holds) cast to ``dtype`` and
+    unmarked, as the rollout engine's copy of a version is (:func:`empty_like` with a dtype)."""
+    if model_dtype(model) == dtype and not autocasts(model):
+        return model
+    clone = copy.deepcopy(model)
+    set_autocast(clone, False)
+    return clone.to(dtype=dtype)
+
+
 def snapshot(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` as it is now, to read while ``model`` trains on (a background held-out
     evaluation, :mod:`a3po.training.evaluations`): ``copy.deepcopy``, so the same class, forward and

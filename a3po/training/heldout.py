@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from a3po.config.plan import decoding_dtype
 from a3po.data.datasets import prompt_style
 from a3po.data.prompts import PromptStyle
+from a3po.devices import machine_precision, model_device
 from a3po.grading.rewards import score_completions
+from a3po.models.factory import decoding_copy
 from a3po.rollout.torch_engine import generate_text
 from a3po.rollout.types import SamplingParams
 
@@ -75,7 +78,11 @@ def heldout_evaluation(model, tokenizer, rows: list[dict], cfg) -> HeldOutEvalua
     """The trainer's held-out figures for a :class:`a3po.config.TrainConfig`: sampled mean@n at
     the training temperature (``eval/heldout_acc``) and greedy pass@1, with the greedy answers.
     The sampling seed is fixed, not the run's: every variant and checkpoint is scored on the same
-    random numbers, which takes sampling noise out of the comparison."""
+    random numbers, which takes sampling noise out of the comparison. It decodes from weights in the
+    run's decoding dtype (:func:`a3po.config.plan.decoding_dtype`: a bf16 copy of an autocast policy
+    under ``dtype: auto`` where bf16 is native), so the step-0, in-run and final figures are taken
+    alike, as the rollouts are."""
+    model = decoding_copy(model, decoding_dtype(cfg, machine_precision(cfg.dtype, model_device(model))).torch)
     rl, style = cfg.rl, prompt_style(cfg.data)
     sampled = heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature,
                                rl.eval_samples, seed=0, style=style)

@@ -1,5 +1,5 @@
 """bench.evaluation: its argument checks, and (e2e) a micro model's evaluation on two thread
-counts whose rows are the evaluation runner's own figures."""
+counts and two dtypes whose rows are the evaluation runner's own figures."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from a3po.devices import cpu_native_bf16
 from bench.evaluation import main
 
 
@@ -18,18 +19,29 @@ def test_no_count_a_zero_a_repeated_or_a_non_integer_one_is_refused(threads, cap
     assert "--threads" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dtypes", ["", "float16", "auto,auto"])
+def test_no_dtype_an_unknown_or_a_repeated_one_is_refused(dtypes, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--dtypes", dtypes])
+    assert e.value.code == 2
+    assert "--dtypes" in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_micro_on_one_and_two_threads_reports_the_runners_figures(tmp_path, capsys):
     data = tmp_path / "data" / "gsm8k"
     data.mkdir(parents=True)
     rows = [{"question": f"What is {a} plus {a}?", "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}"} for a in range(1, 6)]
     (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = main(["--preset", "micro", "--threads", "1,2", "--benchmarks", "gsm8k", "--data-dir", str(tmp_path / "data"),
-                "--bench-limit", "4", "--bench-max-new-tokens", "6", "--cache", str(tmp_path / "cache")])
+    out = main(["--preset", "micro", "--threads", "1,2", "--dtypes", "float32,auto", "--benchmarks", "gsm8k",
+                "--data-dir", str(tmp_path / "data"), "--bench-limit", "4", "--bench-max-new-tokens", "6",
+                "--cache", str(tmp_path / "cache")])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(out))
-    assert [r["threads"] for r in out["rows"]] == [1, 2]
+    assert [(r["dtype"], r["threads"]) for r in out["rows"]] == [("float32", 1), ("float32", 2), ("auto", 1), ("auto", 2)]
+    assert {r["weights"] for r in out["rows"][:2]} == {"float32"}
+    assert {r["weights"] for r in out["rows"][2:]} == {"bfloat16" if cpu_native_bf16() else "float32"}
     for r in out["rows"]:
-        results = json.loads((tmp_path / "cache" / f"threads-{r['threads']}" / "results.json").read_text())
+        results = json.loads((tmp_path / "cache" / f"{r['dtype']}-threads-{r['threads']}" / "results.json").read_text())
         gsm8k = results["benchmarks"]["gsm8k"]
         assert gsm8k["n_problems"] == 4
         assert r["figures"]["gsm8k/pass_at_1"] == gsm8k["pass@1"]
