@@ -41,7 +41,7 @@ from tasks.claims import SET_NAMES, report_claims, seed_set
 from tasks.description import describe_parent_run
 from tasks.launched import launch_for_config
 from tasks.links import RunLinks
-from tasks.pairs import summarise_replicated_pairs
+from tasks.pairs import calibrated_shortfall, summarise_replicated_pairs
 from tasks.tracking import log_to_parent
 
 VARIANTS = [v.value for v in Variant]  # every claim compares loglinear with recompute and/or sync
@@ -116,10 +116,13 @@ def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B0
                       else f"seeds {', '.join(map(str, spec.seeds))} (one seed set: not replicated)")
         header = (f"# A-3PO claims on this testbed\n\nPreset {preset}, {base.rl.steps} RL steps; {seeds_line}; "
                   f"max staleness {base.rl.max_staleness}; comparison table (every seed) in comparison.md.")
-        judged = [seed_set(name, records, seeds, spec.target_fraction, spec.smooth_frac) for name, seeds in sets.items()]
+        setting = calibration_setting(every_seed, base)
+        # Reward parity by the calibrated rule where a calibration covers the runs (tasks.claims).
+        judged = [seed_set(name, records, seeds, spec.target_fraction, spec.smooth_frac,
+                           calibrated_shortfall([r for r in records if r["seed"] in seeds], setting)[0]) for name, seeds in sets.items()]
         claims = report_claims(judged, str(out / "summary"), header)
         # Two sets: the pairs (speed ratios and reward with intervals) of each set alone, side by side.
-        by_set = (summarise_replicated_pairs([(s.name, s.seeds, s.rows) for s in judged], records, calibration_setting(every_seed, base),
+        by_set = (summarise_replicated_pairs([(s.name, s.seeds, s.rows) for s in judged], records, setting,
                                              str(out / "summary")) if len(judged) > 1 else None)
         replicated = by_set or {"markdown": "", "metrics": {}, "artifacts": []}
         log_to_parent(ref, {**summary["metrics"], **claims["metrics"], **replicated["metrics"]},

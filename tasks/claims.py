@@ -33,6 +33,14 @@ behav_iw_extremes   max behaviour IW loglinear / recompute                 < 1  
 clipped_tokens      clipped fraction loglinear - fewest of the others      <= 0    "clips the fewest" (ties pass)
 ==================  ===================================================  ========  ==============================
 
+**Reward parity where a calibration covers the run.** The -0.05 threshold is per seed and was
+set on ``tiny``, whose healthy seed-to-seed spread is a fraction of it; on a setting with a recorded
+calibration (:data:`tasks.parity.CALIBRATIONS`: ``smol`` at 10 steps, whose healthy difference
+has an sd of ~0.055 per seed) it would fail healthy runs on some seeds. There the claim is judged
+by the calibrated shortfall rule instead (:func:`tasks.pairs.calibrated_shortfall`: loglinear
+against recompute and sync pooled, FAIL iff the mean difference over the set's seeds is below the
+calibrated line), the set's per-seed differences still shown, the reason naming the rule.
+
 **Two seed sets.** A verdict on one set of seeds can flip when the run is repeated on others. With
 a second, disjoint set (the flow's replicate seeds), each claim is judged on each set alone, from
 that set's runs and its own reward target (:func:`seed_set`), and the two verdicts are combined
@@ -55,6 +63,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.arms import Arm
+from tasks.parity import ParityResult
 from tasks.summary import ArmRun, compare, read_history
 from tasks.verdicts import NothingToJudge, all_pass
 
@@ -282,16 +291,18 @@ class SeedSet:
     seeds: tuple[int, ...]
     rows: Rows
     target: float | None
+    parity: ParityResult | None = None  # the calibrated shortfall test of this set's runs, where a calibration covers them
 
 
 def seed_set(name: str, records: Sequence[dict[str, Any]], seeds: Sequence[int], target_fraction: float,
-             smooth_frac: float) -> SeedSet:
+             smooth_frac: float, parity: ParityResult | None = None) -> SeedSet:
     """The comparison of the runs on ``seeds`` only (``records``: a flow's, with ``seed`` and
     ``history_path``). The target is this set's own, so the other set's runs move none of its
-    figures: each set is judged as if it had been the only run."""
+    figures: each set is judged as if it had been the only run. ``parity``: the calibrated shortfall
+    test of these runs where a calibration covers them (it judges reward parity)."""
     chosen = [ArmRun.of({**r, "history": read_history(r["history_path"])}) for r in records if r["seed"] in seeds]
     comp = compare(chosen, target_fraction, smooth_frac)
-    return SeedSet(name, tuple(seeds), comp.rows, comp.target)
+    return SeedSet(name, tuple(seeds), comp.rows, comp.target, parity)
 
 
 def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
@@ -306,27 +317,42 @@ def rows_by_placement(rows: Rows) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
-def check_claims(rows: Rows, target: float | None, claims: Sequence[Claim] = CLAIMS) -> list[dict[str, Any]]:
+def check_claims(rows: Rows, target: float | None, claims: Sequence[Claim] = CLAIMS,
+                 parity: ParityResult | None = None) -> list[dict[str, Any]]:
     """One result per claim and placement: paper figure, testbed figure with spread, verdict and
-    reason. Results of a placement other than colocated carry it in their key (``ttt_vs_sync_on_disaggregated``)."""
+    reason. Results of a placement other than colocated carry it in their key (``ttt_vs_sync_on_disaggregated``).
+    ``parity``: the calibrated shortfall test of these runs, which judges reward parity where it
+    covers the placement's arms (the calibrations are of the colocated arms: :data:`tasks.parity.CALIBRATED_ARMS`)."""
     groups = rows_by_placement(rows)
     if not groups:
         raise NothingToJudge("no comparison rows for the claims: every claim compares variants that ran")
     out = []
     for placement, group in groups.items():
         suffix = "" if placement == "colocated" else f"_on_{placement}"
-        out += [{**r, "claim": r["claim"] + suffix, "placement": placement} for r in _check(group, target, claims)]
+        out += [{**r, "claim": r["claim"] + suffix, "placement": placement}
+                for r in _check(group, target, claims, parity if placement == "colocated" else None)]
     return out
 
 
-def _check(rows: Rows, target: float | None, claims: Sequence[Claim]) -> list[dict[str, Any]]:
+def judge_calibrated(parity: ParityResult) -> tuple[str, str]:
+    """``(verdict, reason)`` of reward parity by the calibrated shortfall test: reproduced iff it passes."""
+    line = -parity.tolerance
+    return (REPRODUCED if parity.passed else NOT_REPRODUCED,
+            f"calibrated shortfall rule (tasks.parity; the per-seed -0.05 is tiny's): {parity.candidate} - {', '.join(parity.pooled)} pooled, "
+            f"mean {parity.mean_diff:+.3f} over {len(parity.seeds)} seed(s) {'>=' if parity.passed else '<'} the FAIL line {line:+.3f} "
+            f"(healthy mean {parity.healthy_mean:+.4f}, sd {parity.noise_sd:.4f})")
+
+
+def _check(rows: Rows, target: float | None, claims: Sequence[Claim], parity: ParityResult | None = None) -> list[dict[str, Any]]:
     out = []
     for c in claims:
         m = c.measure(rows, target)
-        verdict, reason = judge(c, m)
+        calibrated = c.key == "reward_parity" and parity is not None and isinstance(m, Measured)
+        verdict, reason = judge_calibrated(parity) if calibrated else judge(c, m)
         measured = isinstance(m, Measured)
         out.append({
-            "claim": c.key, "statement": c.statement, "paper": c.paper, "source": c.source, "quantity": c.quantity, "rule": str(c.rule),
+            "claim": c.key, "statement": c.statement, "paper": c.paper, "source": c.source, "quantity": c.quantity,
+            "rule": "calibrated shortfall (tasks.parity)" if calibrated else str(c.rule),
             "testbed": spread(list(m.values.values()), c.unit) + f"; {m.detail}" if measured else "-",
             "values": {str(s): v for s, v in m.values.items()} if measured else {},
             "verdict": verdict, "reason": reason,
@@ -340,7 +366,7 @@ def check_sets(sets: Sequence[SeedSet], claims: Sequence[Claim] = CLAIMS) -> lis
     (in order) and ``verdict`` the two verdicts combined (:func:`combine`)."""
     if len(sets) not in (1, 2):
         raise ValueError(f"claims are judged on one seed set or on two (a replication), got {len(sets)}")
-    judged = [{r["claim"]: r for r in check_claims(s.rows, s.target, claims)} for s in sets]
+    judged = [{r["claim"]: r for r in check_claims(s.rows, s.target, claims, s.parity)} for s in sets]
     if len(sets) == 1:
         return list(judged[0].values())
     out = []
@@ -382,7 +408,8 @@ def claims_markdown(results: Sequence[dict[str, Any]]) -> str:
                            NOT_MEASURABLE if r["verdict"] == NOT_MEASURABLE else NOT_REPLICATED]) for r in results]
     lines += ["", "Sources of the paper's figures:", ""] + list(dict.fromkeys(f"- {r['claim']}: {r['source']}" for r in results))
     lines += ["", "Rule (tasks/claims.py): reproduced iff the value passes its threshold on every seed; "
-              "not measurable here when the quantity does not exist in this run."]
+              "not measurable here when the quantity does not exist in this run. Reward parity, where a calibration covers the "
+              "runs: the calibrated shortfall rule (its reason says so)."]
     if replicated:
         lines.append("Each claim is judged on each seed set alone (its runs, its own reward target). Combined: the same verdict on both "
                      f"sets stands; {NOT_MEASURABLE} when either set cannot measure it; {NOT_SETTLED} when the sets disagree.")

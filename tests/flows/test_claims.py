@@ -25,6 +25,7 @@ from tasks.claims import (
     seed_set,
     spread,
 )
+from tasks.parity import ParityResult
 
 
 def _row(variant, seeds):
@@ -202,6 +203,38 @@ def test_a_claim_that_flips_between_seed_sets_is_not_settled():
     assert (m["claims/reward_parity/reproduced"], m["claims/reproduced"], m["claims/not_settled"]) == (0.0, 4.0, 1.0)
     assert "claims/ttt_vs_sync/reproduced" not in m and "claims/ttt_vs_sync/set_a/reproduced" in m
     assert "claims/reward_parity/mean" not in m  # a mean over both sets would mix two targets
+
+
+def _shortfall(mean_diff: float, passed: bool, seeds=(2, 3)) -> ParityResult:
+    """A calibrated shortfall test's result (tasks.parity), FAIL line -0.12."""
+    return ParityResult("loglinear", "pooled", "final_reward", list(seeds), [mean_diff] * len(seeds), mean_diff, mean_diff - 0.1,
+                        mean_diff + 0.1, 0.12, 0.95, passed, rule="shortfall", noise_sd=0.0558, pooled=("recompute", "sync"),
+                        healthy_mean=-0.0333, calibration_seeds=5)
+
+
+def test_reward_parity_is_judged_by_the_calibrated_rule_where_a_calibration_covers_the_set():
+    """Set B's seed 3 fails the per-seed -0.05 (gap -0.12) but the calibrated test passes: reproduced,
+    the reason naming the rule and the per-seed values still shown. Set A passes per seed but its
+    calibrated test fails: not reproduced. Other claims and the disaggregated arms keep their rules."""
+    a, b = _two_sets()
+    a = SeedSet(a.name, a.seeds, a.rows, a.target, _shortfall(-0.15, False, (0, 1)))
+    b = SeedSet(b.name, b.seeds, b.rows, b.target, _shortfall(-0.07, True))
+    by_claim = {r["claim"]: r for r in check_sets([a, b])}
+    parity = by_claim["reward_parity"]
+    assert [p["verdict"] for p in parity["sets"]] == [NOT_REPRODUCED, REPRODUCED] and parity["verdict"] == NOT_SETTLED
+    assert parity["rule"] == "calibrated shortfall (tasks.parity)"
+    assert "mean -0.070 over 2 seed(s) >= the FAIL line -0.120" in parity["sets"][1]["reason"]
+    assert "mean -0.150 over 2 seed(s) < the FAIL line -0.120" in parity["sets"][0]["reason"]
+    assert parity["sets"][1]["values"] == {"2": pytest.approx(-0.02), "3": pytest.approx(-0.12)}
+    assert by_claim["prox_time"]["verdict"] == REPRODUCED and by_claim["ttt_vs_sync"]["verdict"] == NOT_MEASURABLE
+    # Without a calibration, the per-seed rule as before.
+    assert {r["claim"]: r["verdict"] for r in check_sets(_two_sets())}["reward_parity"] == NOT_SETTLED
+    plain = check_claims(b.rows, b.target)
+    assert next(r for r in plain if r["claim"] == "reward_parity")["verdict"] == NOT_REPRODUCED
+    # The calibrations are of colocated arms: a disaggregated group keeps the per-seed rule.
+    placed = [{**r, "variant": r["variant"] + "@disaggregated"} for r in b.rows]
+    results = {r["claim"]: r for r in check_claims(placed, b.target, parity=b.parity)}
+    assert results["reward_parity_on_disaggregated"]["verdict"] == NOT_REPRODUCED
 
 
 def test_one_seed_set_keeps_its_verdicts_and_says_they_are_not_replicated():
