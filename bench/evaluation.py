@@ -4,7 +4,7 @@ set (the trainer's measure, sampled and greedy) and the benchmark slices, as the
 
     python -m bench.evaluation --data-dir ../shared/data          # smol's step-0 model (make setup-smol), 1 and 2 threads,
                                                                   # 20 GSM8K + 20 MATH500 problems at 256 tokens: make demo-real's slices
-    python -m bench.evaluation --data-dir ../shared/data --threads 2 --dtypes float32,auto   # fp32 beside bf16 autocast
+    python -m bench.evaluation --data-dir ../shared/data --threads 2 --dtypes float32,auto   # fp32 beside the bf16 engine copy
     python -m bench.evaluation --preset micro --benchmarks ''     # smoke: the held-out set alone
 
 The model is the preset's warm start (prepared once under ``--cache``; ``smol``'s is the model as
