@@ -23,8 +23,7 @@ def _stub_model_loading(monkeypatch, seen: list) -> None:
     import a3po.models.factory
     import a3po.training.heldout
 
-    monkeypatch.setattr(a3po.models.factory, "load_pretrained",
-                        lambda model_dir, dtype=torch.float32: (torch.nn.Linear(2, 2).to(dtype), None))
+    monkeypatch.setattr(a3po.models.factory, "load_pretrained", lambda model_dir: (torch.nn.Linear(2, 2), None))
     monkeypatch.setattr(a3po.data.datasets, "load_rows", lambda data, tokenizer: ([], [], None))
 
     def heldout(model, tokenizer, rows, cfg):
