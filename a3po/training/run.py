@@ -114,6 +114,23 @@ def _worker_scoring(cfg: TrainConfig, model: torch.nn.Module, pad_token_id: int)
     return lambda retention: IntraScoring(parts, cfg.oppo, pad_token_id, retention)
 
 
+class FinishedRunError(RuntimeError):
+    """A run folder holds a finished run that has no checkpoint left to resume from."""
+
+
+def refuse_finished_without_checkpoints(run_dir: Path) -> None:
+    """Refuse a run folder whose run finished (``result.json``, written last) but whose checkpoints
+    are gone (deleted to save disk): with nothing to resume, training would start again at step 0
+    and rewrite the finished run's metrics. Naming the files, and how to train it again."""
+    result = run_dir / "result.json"
+    if result.is_file() and not any((run_dir / "checkpoints").glob("step_*")):
+        raise FinishedRunError(
+            f"{result} records a finished run, and {run_dir / 'checkpoints'} holds no checkpoint to resume "
+            f"from: training would start again at step 0 and overwrite its metrics (metrics.jsonl, "
+            f"history.jsonl). Its results are in {result} and {run_dir / 'final'}; to train it again, "
+            f"move {result} away (or the folder)")
+
+
 def train_variant(
     cfg: TrainConfig,
     run_dir: str | Path,
@@ -135,6 +152,7 @@ def train_variant(
     :func:`~a3po.parallel.ranks.init_ranks` unless the caller already did, as ``a3po train`` does)
     and the run's :class:`~a3po.config.plan.RunPlan`, both handed down."""
     run_dir = Path(run_dir)
+    refuse_finished_without_checkpoints(run_dir)
     preflight(cfg)  # a worker given a config built elsewhere: the engine's package, DeepSpeed and its JSON are here
     torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))

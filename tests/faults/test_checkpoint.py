@@ -366,3 +366,29 @@ def test_fields_added_since_a_checkpoint_count_as_their_defaults():
     assert config_differences(saved, current) == []
     saved["rl"]["lr"] = 1.0
     assert config_differences(saved, current) == ["rl.lr"]
+
+
+def test_a_finished_run_whose_checkpoints_are_gone_is_refused_and_keeps_its_files(tmp_path):
+    """Its checkpoints deleted to save disk, a finished run would train again from step 0 and
+    overwrite its metrics: train_variant refuses, naming result.json, and leaves every file as it
+    was; with result.json moved away it trains again."""
+    import torch
+
+    from a3po.config import preset, with_overrides
+    from a3po.training.metrics import JsonlLogger
+    from a3po.training.run import FinishedRunError, prepare_warmstart, train_variant
+
+    torch.set_num_threads(1)
+    cfg = with_overrides(preset("micro"), rl={"steps": 2, "checkpoint_every": 1, "eval_every": 2})
+    ws, acc = prepare_warmstart(preset("micro"), tmp_path / "cache", log=lambda s: None)
+    run = tmp_path / "run"
+    train_variant(cfg, run, ws, acc, logger=JsonlLogger(run / "metrics.jsonl"))
+    shutil.rmtree(run / "checkpoints")
+    kept = {p.name: p.read_bytes() for p in (run / "result.json", run / "metrics.jsonl", run / "history.jsonl") if p.exists()}
+    assert "result.json" in kept and "metrics.jsonl" in kept
+    with pytest.raises(FinishedRunError, match=r"result\.json records a finished run.*no checkpoint to resume from"):
+        train_variant(cfg, run, ws, acc, logger=JsonlLogger(run / "metrics.jsonl"))
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    (run / "result.json").rename(tmp_path / "result.json")
+    train_variant(cfg, run, ws, acc, logger=JsonlLogger(run / "metrics.jsonl"))
+    assert (run / "result.json").is_file()
