@@ -102,17 +102,17 @@ def evaluate(
     import torch
 
     from a3po.data.datasets import load_rows
-    from a3po.models.factory import decoding_copy, load_pretrained
+    from a3po.models.factory import load_pretrained
     from a3po.training.heldout import evaluate_heldout
 
     t0 = time.perf_counter()
     torch.set_num_threads(evaluation_threads(cfg, usable_cores()))
     dtype = evaluation_dtype(cfg)
     model, tokenizer = load_pretrained(model_dir)  # as saved (fp32 master weights under dtype auto)
-    # Cast as the rollout engine's copy and the in-run evaluations are (buffers too: RoPE's
+    # Cast in place as the rollout engine's copy and the in-run evaluations are (buffers too: RoPE's
     # frequencies round as theirs do), not as from_pretrained(dtype=...) loads, so the step-0, in-run
-    # and final figures come from the same weights.
-    model = decoding_copy(model, dtype.torch)
+    # and final figures come from the same weights; nothing else reads this model, so no copy.
+    model = model.to(dtype=dtype.torch)
     _, heldout, _ = load_rows(cfg.data, tokenizer)
     held = evaluate_heldout(model, tokenizer, heldout, cfg)  # the trainer's measure: eval/heldout_acc, eval/heldout_greedy_acc
     metrics = {k.replace("eval/", "eval/final/", 1): v for k, v in held.items()}
