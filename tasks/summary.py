@@ -47,6 +47,8 @@ from tasks.arms import Arm
 SMOOTH_FRAC = 0.25
 TARGET_FRACTION = 0.8
 BASELINES = ("sync", "recompute")
+# The most on-policy asynchronous bound: a looser or adaptive bound of the same arm is weighed against it.
+BOUND_BASELINE = 1
 
 
 def window(steps: int, smooth_frac: float = SMOOTH_FRAC) -> int:
@@ -130,13 +132,18 @@ def arm_of(record: dict[str, Any]) -> str:
 
 
 def baselines_of(arm: Arm) -> list[Arm]:
-    """What a row is compared with, in its own placement: sync and recompute, and for an OPPO arm
-    its variant with OPPO off. An asynchronous baseline runs at the row's staleness bound
-    (``loglinear+s4`` against ``recompute+s4``); sync has none."""
+    """What a row is compared with, in its own placement: sync and recompute, for an OPPO arm
+    its variant with OPPO off, and for an asynchronous arm under another bound than
+    :data:`BOUND_BASELINE` or an adaptive one, the same arm at that bound (``loglinear+s8`` and
+    ``loglinear+adaptive-s8`` against ``loglinear+s1``: what a looser bound buys). An asynchronous
+    baseline runs at the row's staleness bound (``loglinear+s4`` against ``recompute+s4``); sync has
+    none. A baseline counts where the comparison ran it."""
     bound = {"staleness_control": arm.staleness_control, "max_staleness": arm.max_staleness}
     own = [Arm(variant=arm.variant, **bound)] if arm.oppo not in (None, "off") else []
     bases = [b.model_copy(update=bound) if b.variant.is_async else b for b in (Arm.parse(b) for b in BASELINES)]
-    return list(dict.fromkeys(b.within(arm) for b in [*bases, *own]))
+    looser = arm.variant.is_async and (arm.adaptive or arm.max_staleness != BOUND_BASELINE)
+    tight = [Arm(variant=arm.variant, oppo=arm.oppo, max_staleness=BOUND_BASELINE)] if looser else []
+    return list(dict.fromkeys(b.within(arm) for b in [*bases, *own, *tight]))
 
 
 def _max(xs: Sequence[float | None]) -> float | None:
@@ -240,8 +247,10 @@ def _against_baselines(rows: list[dict[str, Any]], arms: list[Arm]) -> dict[str,
             if base.name == arm.name or base.name not in index:
                 continue
             b, tag = index[base.name], f"{arm.metric_key}_vs_{base.metric_key}"
-            bare = base.variant.value  # the column names the baseline variant; the placement is the row's
-            cols = [bare, *(["oppo_off"] if base.variant == arm.variant else [])]
+            # The columns name the baseline variant (the placement is the row's); the same variant is
+            # either its OPPO-off arm or its arm at the baseline bound.
+            bare = base.variant.value
+            cols = [bare] if base.variant != arm.variant else [bare, "oppo_off"] if base.oppo != arm.oppo else [f"s{BOUND_BASELINE}"]
             for figure, name in (("time_to_target_s", "ttt"), ("mean_step_time_s", "step")):
                 if row[figure] and b[figure]:  # None or 0: no speedup
                     row.update({f"speedup_{name}_vs_{c}": b[figure] / row[figure] for c in cols})
@@ -262,15 +271,18 @@ COLUMNS = [
 ]
 # Shown when an OPPO arm was compared with its variant (OPPO off).
 OPPO_COLUMNS = [("speedup_ttt_vs_oppo_off", "speedup vs OPPO off (target)"), ("speedup_step_vs_oppo_off", "step speedup vs OPPO off")]
+# Shown when a looser or adaptive bound was compared with the same arm at the baseline bound.
+BOUND_COLUMNS = [(f"speedup_ttt_vs_s{BOUND_BASELINE}", f"speedup vs bound {BOUND_BASELINE} (target)"),
+                 (f"speedup_step_vs_s{BOUND_BASELINE}", f"step speedup vs bound {BOUND_BASELINE}")]
 
 
 def table(comp: Comparison):
-    """The comparison as a DataFrame (OPPO and benchmark columns appended when present)."""
+    """The comparison as a DataFrame (OPPO, bound and benchmark columns appended when present)."""
     import pandas as pd
 
     bench = sorted({k for r in comp.rows for k in r if k.startswith("eval/final/") and k.endswith("/pass_at_1")})
-    oppo = [c for c in OPPO_COLUMNS if any(c[0] in r for r in comp.rows)]
-    cols = list(COLUMNS) + oppo + [(k, k.removeprefix("eval/final/").replace("/pass_at_1", " pass@1")) for k in bench]
+    present = [c for c in OPPO_COLUMNS + BOUND_COLUMNS if any(c[0] in r for r in comp.rows)]
+    cols = list(COLUMNS) + present + [(k, k.removeprefix("eval/final/").replace("/pass_at_1", " pass@1")) for k in bench]
     return pd.DataFrame([{label: row.get(key) for key, label in cols} for row in comp.rows])
 
 

@@ -44,10 +44,10 @@ def test_unknown_placements_and_refused_combinations_name_the_field():
 
 
 def test_baselines_are_taken_within_a_placement():
-    assert [b.name for b in baselines_of(Arm.parse("loglinear@disaggregated"))] == ["sync@disaggregated", "recompute@disaggregated"]
-    assert [b.name for b in baselines_of(Arm.parse("loglinear"))] == ["sync", "recompute"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+s1@disaggregated"))] == ["sync@disaggregated", "recompute+s1@disaggregated"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+s1"))] == ["sync", "recompute+s1"]
     assert [b.name for b in baselines_of(Arm.parse("loglinear+oppo-inter@disaggregated"))] == [
-        "sync@disaggregated", "recompute@disaggregated", "loglinear@disaggregated"]
+        "sync@disaggregated", "recompute@disaggregated", "loglinear@disaggregated", "loglinear+oppo-inter+s1@disaggregated"]
     assert metric_key_part("loglinear@disaggregated") == "loglinear_on_disaggregated"
 
 

@@ -80,8 +80,41 @@ def test_arms_expand_and_compare_with_sync_and_recompute_at_their_bound():
     # A name's own OPPO mode or placement is kept; --oppo / --placements fill in the others.
     assert [a.name for a in expand_arms(["loglinear+oppo-inter+s4", "loglinear+s4"], ["off"], ["disaggregated"])] == [
         "loglinear+oppo-inter+s4@disaggregated", "loglinear+s4@disaggregated"]
-    assert [b.name for b in baselines_of(Arm.parse("loglinear+s4"))] == ["sync", "recompute+s4"]
-    assert [b.name for b in baselines_of(Arm.parse("loglinear+oppo-inter+adaptive"))] == ["sync", "recompute+adaptive",
-                                                                                           "loglinear+adaptive"]
+    # A looser or adaptive bound is also weighed against the same arm at bound 1; bound 1 only against sync and recompute.
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+s4"))] == ["sync", "recompute+s4", "loglinear+s1"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+s1"))] == ["sync", "recompute+s1"]
+    assert [b.name for b in baselines_of(Arm.parse("loglinear+oppo-inter+adaptive"))] == [
+        "sync", "recompute+adaptive", "loglinear+adaptive", "loglinear+oppo-inter+s1"]
     assert [b.name for b in baselines_of(Arm.parse("loglinear@disaggregated"))] == ["sync@disaggregated",
-                                                                                     "recompute@disaggregated"]
+                                                                                     "recompute@disaggregated",
+                                                                                     "loglinear+s1@disaggregated"]
+
+
+def test_bounds_are_paired_with_bound_1_by_seed():
+    """Fixed bounds and the adaptive one against ``+s1``, paired by seed: the table's speedup
+    column and the pairs with their intervals; never as if the bound-1 arm were OPPO off."""
+    from tasks.pairs import Setting, pairs
+    from tasks.summary import ArmRun, compare
+
+    def record(arm: str, seed: int, step_s: float, rewards: list[float]) -> dict:
+        history = [{"reward/mean": r, "perf/step_time_s": step_s, "perf/wait_time_s": 0.0, "time/train_wall_s": step_s * (i + 1)}
+                   for i, r in enumerate(rewards)]
+        return {"variant": "loglinear", "arm": arm, "seed": seed, "history": history, "final_acc": 0.5, "warmstart_acc": 0.2}
+
+    curve = [0.0, 0.2, 0.5, 1.0]
+    step = {("loglinear+s1", 0): 2.0, ("loglinear+s1", 1): 3.0, ("loglinear+s8", 0): 1.0, ("loglinear+s8", 1): 2.0,
+            ("loglinear+adaptive-s8", 0): 2.0, ("loglinear+adaptive-s8", 1): 2.0}
+    comp = compare([ArmRun.of(record(arm, seed, s, curve)) for (arm, seed), s in step.items()])
+    rows = {r["variant"]: r for r in comp.rows}
+    assert rows["loglinear+s8"]["speedup_step_vs_s1"] == pytest.approx(2.5 / 1.5)  # means over the seeds
+    assert "speedup_step_vs_s1" not in rows["loglinear+s1"]
+    assert not any(k.endswith("vs_oppo_off") or k.endswith("vs_loglinear") for row in rows.values() for k in row)
+    assert comp.metrics["speedup/loglinear_s8_vs_loglinear_s1/step_time"] == pytest.approx(2.5 / 1.5)
+    from tasks.summary import table
+
+    assert table(comp)["step speedup vs bound 1"].tolist()[1:] == [pytest.approx(2.5 / 1.5), pytest.approx(1.25)]
+    found = {p.label: p for p in pairs(comp.rows, Setting("micro", 4))}
+    assert set(found) == {"loglinear+s8 vs loglinear+s1", "loglinear+adaptive-s8 vs loglinear+s1"}
+    s8 = found["loglinear+s8 vs loglinear+s1"]
+    assert s8.seeds == [0, 1] and s8.step_time.n == 2
+    assert s8.step_time.point == pytest.approx((2.0 * 1.5) ** 0.5)  # geometric mean of the per-seed ratios 2/1, 3/2
