@@ -24,7 +24,7 @@ from infra.launch import LaunchSpec
 from tasks.actions import log_action_table
 from tasks.arms import Arm
 from tasks.completions import log_completion_tables
-from tasks.summary import final_reward
+from tasks.summary import final_reward, read_history
 from tasks.tracking import (
     MlflowMetricLogger,
     TrackingRef,
@@ -149,6 +149,26 @@ def mark_failed_quietly(shipper: MlflowMetricLogger, client, run_id: str, log) -
         client.set_terminated(run_id, status="FAILED")
     except Exception as e:  # noqa: BLE001
         log.warning(f"could not mark MLflow run {run_id} FAILED ({type(e).__name__}); the next run of this folder marks it KILLED")
+
+
+def finished_record(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
+    """``(result.json, history)`` of a run this task finished earlier, or None. A finished run
+    has its ``result.json`` (written by the library after its final weights), its
+    ``history.jsonl`` (written by the task after it) and its ``final/`` folder, the history as long
+    as the result's steps. Anything else (a run cut short between the two files, a result that
+    does not parse) is not reused: it resumes from its checkpoints, or is refused when it has none
+    (:func:`a3po.training.run.refuse_finished_without_checkpoints`)."""
+    result, history = run_dir / "result.json", run_dir / "history.jsonl"
+    if not (result.is_file() and history.is_file() and (run_dir / "final").is_dir()):
+        return None
+    try:
+        summary = json.loads(result.read_text())
+        rows = read_history(history)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != len(rows):
+        return None
+    return summary, rows
 
 
 def write_history(run_dir: Path, history: list[dict[str, float]]) -> Path:

@@ -6,7 +6,9 @@ and ``train_variant``), training in the flow's process. The MLflow child run's l
 from ``<run_dir>/checkpoints`` (atomic, every ``rl.checkpoint_every`` steps) and, with the
 default 'deterministic' schedule, continues exactly as an uninterrupted run would. The run
 directory is named by variant, seed and a hash of the config, so a re-run with the same
-config resumes and a changed config starts afresh instead of resuming someone else's run.
+config resumes and a changed config starts afresh instead of resuming someone else's run. A run
+that finished (its ``result.json``, ``history.jsonl`` and ``final/``) is not trained again: its
+record is reused, so a re-run still judges it after its checkpoints were deleted to save disk.
 
 MLflow: one child run per arm x seed under the flow's parent run (:mod:`tasks.child_run`). A new
 flow run back-fills the steps restored from the checkpoint into its new child run, so its record
@@ -30,6 +32,7 @@ from prefect.cache_policies import NO_CACHE
 
 from a3po.config import TrainConfig
 from a3po.devices import machine_precision, resolve_device
+from a3po.storage.checkpoint import DiskFullError
 from a3po.storage.runlock import RunFolderBusy, hold_run_folder
 from a3po.training.actions import FILE as ACTIONS_FILE
 from a3po.training.metrics import FanoutLogger, JsonlLogger
@@ -38,6 +41,7 @@ from a3po.training.run import train_variant as library_train_variant
 from tasks.arms import Arm
 from tasks.child_run import (
     config_hash,
+    finished_record,
     log_actions,
     log_final,
     log_tables,
@@ -111,9 +115,10 @@ class RunRecord:
 
 
 def _worth_retrying(task, task_run, state) -> bool:
-    """A retry cannot help a run folder held by another writer, nor a tracking server that
-    stayed down through the end-of-task wait (the message says how to back-fill later)."""
-    return not isinstance(getattr(state, "data", None), (RunFolderBusy, TrackingUnavailable))
+    """A retry cannot help a run folder held by another writer, a tracking server that stayed
+    down through the end-of-task wait (the message says how to back-fill later), nor a full disk
+    (it would train again up to the same checkpoint, and fail there)."""
+    return not isinstance(getattr(state, "data", None), (RunFolderBusy, TrackingUnavailable, DiskFullError))
 
 
 @task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE, retry_condition_fn=_worth_retrying)
@@ -148,6 +153,9 @@ def _train_locked(
             acc = f"  held-out acc {m['eval/heldout_acc']:.3f}" if "eval/heldout_acc" in m else ""
             log.info(f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}")
 
+    finished = finished_record(rd)
+    if finished is not None:  # its checkpoints may be gone (dropped for disk): nothing to train, its record reused
+        return _reuse_finished(cfg, rd, *finished, warmstart, tracking, tracking_drain_s, log, name)
     local = JsonlLogger(rd / "metrics.jsonl")  # first: survives any tracking outage
     run_id, monitor, shipper, logger = None, None, None, local
     if tracking is not None:
@@ -182,19 +190,10 @@ def _train_locked(
         log.warning(f"{name}: {skipped}")
     history_path = write_history(rd, result.history)
     if run_id is not None:
-        log_final(client, run_id, result.history, result.final_acc)
-        client.set_tag(run_id, "a3po.resumed_from", str(result.resumed_from or 0))
-        client.set_tag(run_id, "a3po.backfilled_steps", str(backfilled))
+        tags = {"a3po.resumed_from": str(result.resumed_from or 0), "a3po.backfilled_steps": str(backfilled)}
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
-            client.set_tag(run_id, "a3po.checkpoints_skipped", "\n".join(result.checkpoints_skipped)[:5000])
-        log_tables(client, run_id, rd / "completions", log)
-        log_actions(client, run_id, rd / ACTIONS_FILE, log)  # what the guard and the staleness bound did, and why
-        if shipper.outages:
-            log.warning(
-                f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; "
-                "every metric was shipped afterwards"
-            )
-        client.set_terminated(run_id, status="FINISHED")
+            tags["a3po.checkpoints_skipped"] = "\n".join(result.checkpoints_skipped)[:5000]
+        _close_child_run(client, run_id, shipper, rd, result.history, result.final_acc, tags, log, name)
     return RunRecord(
         variant=result.variant,
         arm=Arm.of(cfg).name,
@@ -211,3 +210,64 @@ def _train_locked(
         library_s=library_s,
         tracking_s=tracking_s,
     )
+
+
+def _reuse_finished(
+    cfg: TrainConfig, rd: Path, summary: dict[str, Any], history: list[dict[str, float]], warmstart: WarmStart,
+    tracking: TrackingRef | None, tracking_drain_s: float, log, name: str,
+) -> RunRecord:
+    """The record of a run finished earlier (:func:`tasks.child_run.finished_record`), in a child
+    run of this flow run with every step, as a run resumed at its last step would have: a re-run
+    of a comparison whose checkpoints were deleted to save disk judges the runs it has."""
+    log.info(f"{name}: finished earlier ({rd / 'result.json'}): its record reused, nothing trained")
+    run_id = None
+    if tracking is not None:
+        run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
+        client = client_for(tracking.tracking_uri)
+        shipper = MlflowMetricLogger(
+            client, run_id, skip_through_step=done, late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc") if done else frozenset(),
+            kept_in=str(rd / "history.jsonl"), warn=log.warning, drain_timeout_s=tracking_drain_s,
+        )
+        try:
+            with short_client_retries():
+                backfilled = shipper.ensure_history(history)
+                shipper.close()
+        except BaseException as e:
+            if not isinstance(e, TrackingUnavailable):
+                mark_failed_quietly(shipper, client, run_id, log)
+            raise
+        tags = {"a3po.resumed_from": str(summary["steps"]), "a3po.backfilled_steps": str(backfilled),
+                "a3po.reused_record": str(rd / "result.json")}
+        _close_child_run(client, run_id, shipper, rd, history, summary["final_acc"], tags, log, name)
+    return RunRecord(
+        variant=summary["variant"],
+        arm=Arm.of(cfg).name,
+        seed=summary["seed"],
+        run_dir=str(rd),
+        final_dir=str(rd / "final"),
+        history_path=str(rd / "history.jsonl"),
+        mlflow_run_id=run_id,
+        warmstart_acc=summary["warmstart_acc"],
+        final_acc=summary["final_acc"],
+        steps=summary["steps"],
+        wall_s=summary["wall_s"],
+        resumed_from=summary["steps"],  # nothing left to train: as a resume at the last step
+    )
+
+
+def _close_child_run(
+    client, run_id: str, shipper: MlflowMetricLogger, rd: Path, history: list[dict[str, float]], final_acc: float,
+    tags: dict[str, str], log, name: str,
+) -> None:
+    """A finished arm's child run: its final figures, tags, completion and action tables, FINISHED."""
+    log_final(client, run_id, history, final_acc)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    log_tables(client, run_id, rd / "completions", log)
+    log_actions(client, run_id, rd / ACTIONS_FILE, log)  # what the guard and the staleness bound did, and why
+    if shipper.outages:
+        log.warning(
+            f"{name}: the tracking server was unreachable {shipper.outages} time(s), {shipper.outage_s:.0f} s in all; "
+            "every metric was shipped afterwards"
+        )
+    client.set_terminated(run_id, status="FINISHED")

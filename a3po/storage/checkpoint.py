@@ -29,6 +29,7 @@ then one process calls :func:`commit_step` with every rank's ``{file name: sha25
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -69,6 +70,34 @@ class NoIntactCheckpoint(CheckpointError):
     overwrite them, so the run stops."""
 
 
+class DiskFullError(OSError):
+    """A checkpoint file could not be written for want of space (ENOSPC, or the quota: EDQUOT). The
+    message names the folder, what is free there and what to do; retrying cannot help until space
+    is freed. The checkpoints already committed are whole."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Whether ``e`` or an error it was raised from is a full disk (torch.save reports one as a
+    RuntimeError of its zip writer, raised while handling the OSError)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 # --- writing: the pieces --------------------------------------------------------------------
 
 
@@ -98,10 +127,24 @@ def _check_name(name: str) -> None:
 def _write_file(pending: Path, name: str, write) -> str:
     _check_name(name)
     path = Path(pending) / name
-    with open(path, "xb") as f:  # "x": two writers of one name is a bug, not a silent overwrite
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "xb") as f:  # "x": two writers of one name is a bug, not a silent overwrite
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        if not _disk_full(e):
+            raise
+        written = path.stat().st_size if path.exists() else 0
+        path.unlink(missing_ok=True)  # the partial file only holds space
+        free = _free_bytes(path.parent)
+        raise DiskFullError(
+            e.errno if isinstance(e, OSError) else errno.ENOSPC,
+            f"no space left writing checkpoint file {path} ({written / 2**20:,.0f} MiB written, "
+            f"{'?' if free is None else f'{free / 2**20:,.0f} MiB'} free there). The checkpoints already in "
+            f"{path.parent.parent} are whole and a re-run resumes from the newest. Free space first: fewer kept "
+            f"checkpoints (rl.keep_checkpoints), or delete the checkpoints of finished runs (a flow re-run reuses "
+            f"their result.json)") from e
     return sha256_file(path)
 
 
@@ -210,12 +253,16 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, state: dict[str, Any], keep
     pending = begin_step(ckpt_dir, step)
     files: dict[str, str] = {}
     plain: dict[str, Any] = {}
-    for key, value in state.items():
-        if _holds_tensor(value):
-            files[f"{key}.pt"] = write_tensor_file(pending, f"{key}.pt", value)
-        else:
-            plain[key] = value
-    files[STATE_JSON] = write_json_file(pending, STATE_JSON, plain)
+    try:
+        for key, value in state.items():
+            if _holds_tensor(value):
+                files[f"{key}.pt"] = write_tensor_file(pending, f"{key}.pt", value)
+            else:
+                plain[key] = value
+        files[STATE_JSON] = write_json_file(pending, STATE_JSON, plain)
+    except DiskFullError:
+        shutil.rmtree(pending, ignore_errors=True)  # the one writer: its half-written step frees its space
+        raise
     return commit_step(ckpt_dir, step, files, keep=keep)
 
 

@@ -105,6 +105,12 @@ class TrainResult:
             "resumed_from": self.resumed_from,
         }
 
+    def record(self) -> dict:
+        """What ``result.json`` holds: the summary's fields unrounded (a run reused from its record
+        reports what it measured) and the held-out curve."""
+        exact = {"warmstart_acc": self.warmstart_acc, "final_acc": self.final_acc, "wall_s": self.wall_s}
+        return {**self.summary(), **exact, "eval_curve": self.eval_curve}
+
 
 def rl_train(
     cfg: TrainConfig,

@@ -189,5 +189,6 @@ def train_variant(
     elif is_lora(model):  # the adapters merged into the base: a plain folder of the base's class
         model = merged_model(model)
     save_pretrained_atomic(model, tokenizer, run_dir / "final")
-    (run_dir / "result.json").write_text(json.dumps({**result.summary(), "eval_curve": result.eval_curve}))
+    # Written last, whole or not at all: a flow's re-run takes a finished run's record from it.
+    atomic_write_text(run_dir / "result.json", json.dumps(result.record()))
     return result

@@ -355,6 +355,47 @@ def test_save_refuses_values_that_would_not_load_safely(tmp_path):
     assert not list(tmp_path.glob("step_*")) and not (tmp_path / "x").exists()
 
 
+def test_a_full_disk_at_a_checkpoint_is_named_frees_its_partial_step_and_is_not_retried(tmp_path, monkeypatch):
+    """torch.save on a full disk fails as a RuntimeError of its zip writer ("unexpected pos"),
+    raised while handling the OSError: the checkpoint names the file, what is free and what to do,
+    removes its half-written step, keeps the last checkpoint whole, and the task does not retry
+    (a retry would train again up to the same checkpoint). Other errors pass through as they were."""
+    import errno
+    from types import SimpleNamespace
+
+    from a3po.storage.checkpoint import DiskFullError
+    from tasks.training import _worth_retrying
+
+    def state(step: int) -> dict:
+        return {"step": step, "policy": {"w": torch.full((1024,), float(step))}}
+
+    save_checkpoint(tmp_path, 1, state(1))
+
+    def full_disk(obj, f):
+        f.write(b"\0" * 4096)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4000") from None
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(DiskFullError, match=r"no space left writing checkpoint file \S*policy\.pt .* free there.*rl\.keep_checkpoints") as err:
+        save_checkpoint(tmp_path, 2, state(2))
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value.__cause__, RuntimeError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]  # no half-written step left
+    assert load_checkpoint(tmp_path / "step_000001")["policy"]["w"][0] == 1.0
+    assert not _worth_retrying(None, None, SimpleNamespace(data=err.value))
+    assert _worth_retrying(None, None, SimpleNamespace(data=RuntimeError("a transient failure")))
+
+    def other(obj, f):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(torch, "save", other)
+    with pytest.raises(RuntimeError, match="something else") as err:
+        save_checkpoint(tmp_path, 3, state(3))
+    assert not isinstance(err.value, DiskFullError)
+
+
 def test_fields_added_since_a_checkpoint_count_as_their_defaults():
     # A checkpoint of an earlier version lacks the sections and fields added since: they are
     # their defaults, so the run resumes; a field that really changed is still named.

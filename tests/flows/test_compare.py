@@ -122,7 +122,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     assert "(1 seed: no interval) | not settled (1 seed) |" in row and row.endswith("| no calibration for micro at 6 steps |")
 
     # Run again on the same output dir: dataset / warm start / evaluation come from Prefect's
-    # cache and the finished runs resume at their last step instead of retraining.
+    # cache and the finished runs' records are reused instead of retraining.
     again = compare_variants(CompareSpec(**kw))
     assert [r["resumed_from"] for r in again["runs"]] == [6, 6, 6]
     for r1, r2 in zip(res["runs"], again["runs"], strict=True):
@@ -130,6 +130,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     runs = _search(uri, "e2e")
     second = runs[runs["tags.mlflow.parentRunId"] == again["parent_run_id"]]
     assert len(second) == 3 and set(second["tags.a3po.backfilled_steps"]) == {"6"}  # full record in the new child runs
+    assert sorted(second["tags.a3po.reused_record"]) == sorted(str(Path(r["run_dir"]) / "result.json") for r in res["runs"])
     flow_run_id = runs[runs["run_id"] == again["parent_run_id"]].iloc[0]["tags.prefect.flow_run_id"]
     states = _task_states(flow_run_id, expect=17)  # parent open + links + log + close, dataset, warm start, 3x (train, evaluate, log), summary, pairs
     assert states["prepare_dataset"] == states["warm_start"] == {"Cached"}

@@ -253,6 +253,46 @@ def test_train_task_retry_reuses_its_child_run(store, core_stub_rewards):
     assert run.data.tags["a3po.last_action"].startswith("step 4, guard (rl.guard_policy warn): no change; guard/abs_err_p99 ")
 
 
+def test_a_finished_arm_whose_checkpoints_are_gone_is_reused_by_a_new_flow_run(store, core_stub_rewards):
+    """Checkpoints deleted to save disk, a new flow run over the same output folder takes the
+    finished arm's record (result.json, history.jsonl) into a child run of its own, every step
+    logged, and trains nothing (every file of the run folder unchanged). A run cut short between
+    its result and its history is not reused: with no checkpoint it is refused, files unchanged."""
+    import shutil
+
+    from a3po.config import preset, with_overrides
+    from a3po.training.run import FinishedRunError
+    from tasks.tracking import TrackingRef
+    from tasks.training import run_dir_for, train_arm, warm_start
+
+    client, exp, uri, tmp_path = store
+    cfg = with_overrides(preset("micro"), rl={"steps": 4, "seed": 3})
+    ws = warm_start.fn(cfg, str(tmp_path / "cache"))
+    run_dir = run_dir_for(tmp_path / "reused", cfg)
+    first = train_arm.fn(cfg, str(run_dir), ws, TrackingRef(uri, exp, create_run(client, exp, "night 1", {"a3po.role": "parent"})))
+    shutil.rmtree(run_dir / "checkpoints")
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name}
+    assert {"result.json", "history.jsonl", "metrics.jsonl"} <= {p.name for p in files}
+
+    again = train_arm.fn(cfg, str(run_dir), ws, TrackingRef(uri, exp, create_run(client, exp, "night 2", {"a3po.role": "parent"})))
+    assert again.mlflow_run_id != first.mlflow_run_id
+    assert (again.final_acc, again.steps, again.wall_s, again.resumed_from) == (first.final_acc, 4, first.wall_s, 4)
+    assert {p: p.read_bytes() for p in files} == files
+    rewards = [[(m.step, m.value) for m in client.get_metric_history(r, "reward/mean")] for r in (first.mlflow_run_id, again.mlflow_run_id)]
+    assert rewards[1] == rewards[0] and [s for s, _ in rewards[1]] == [1, 2, 3, 4]
+    run = client.get_run(again.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["a3po.reused_record"] == str(run_dir / "result.json")
+    assert run.data.metrics["final/heldout_acc"] == first.final_acc
+    assert [f.path for f in client.list_artifacts(again.mlflow_run_id, "completions")] == [
+        "completions/step_000002.json", "completions/step_000004.json"]
+
+    (run_dir / "history.jsonl").unlink()  # as if killed after result.json, before its history
+    del files[run_dir / "history.jsonl"]
+    with pytest.raises(FinishedRunError, match="no checkpoint to resume from"):
+        train_arm.fn(cfg, str(run_dir), ws, TrackingRef(uri, exp, create_run(client, exp, "night 3", {"a3po.role": "parent"})))
+    assert {p: p.read_bytes() for p in files} == files
+
+
 @pytest.mark.parametrize("flag,want", [("amx_bf16", "bf16-autocast"), (None, "float32")])
 def test_a_child_run_records_what_dtype_auto_resolved_to(store, monkeypatch, flag, want):
     import a3po.devices
