@@ -151,6 +151,10 @@ def mark_failed_quietly(shipper: MlflowMetricLogger, client, run_id: str, log) -
         log.warning(f"could not mark MLflow run {run_id} FAILED ({type(e).__name__}); the next run of this folder marks it KILLED")
 
 
+# What a reused run's record is read from result.json (a3po.training.loop.TrainResult.record).
+RECORD_FIELDS = ("variant", "seed", "warmstart_acc", "final_acc", "steps", "wall_s")
+
+
 def finished_record(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """``(result.json, history)`` of a run this task finished earlier, or None. A finished run
     has its ``result.json`` (written by the library after its final weights), its
@@ -166,7 +170,7 @@ def finished_record(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, float
         rows = read_history(history)
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict) or summary.get("steps") != len(rows):
+    if not isinstance(summary, dict) or any(k not in summary for k in RECORD_FIELDS) or summary["steps"] != len(rows):
         return None
     return summary, rows
 
