@@ -159,12 +159,7 @@ def _train_locked(
     local = JsonlLogger(rd / "metrics.jsonl")  # first: survives any tracking outage
     run_id, monitor, shipper, logger = None, None, None, local
     if tracking is not None:
-        run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
-        client = client_for(tracking.tracking_uri)
-        shipper = MlflowMetricLogger(
-            client, run_id, skip_through_step=done, late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc") if done else frozenset(),
-            kept_in=str(local.path), warn=log.warning, drain_timeout_s=tracking_drain_s,
-        )
+        client, run_id, done, shipper = _open_tracking(tracking, cfg, rd, warmstart, local.path, tracking_drain_s, log)
         logger = FanoutLogger(local, shipper)
         monitor = start_system_metrics(run_id, tracking.tracking_uri, system_metrics_interval_s, done > 0, log)
     t0 = time.perf_counter()
@@ -212,6 +207,20 @@ def _train_locked(
     )
 
 
+def _open_tracking(
+    tracking: TrackingRef, cfg: TrainConfig, rd: Path, warmstart: WarmStart, kept_in: Path, tracking_drain_s: float, log,
+) -> tuple[Any, str, int, MlflowMetricLogger]:
+    """``(client, run_id, last step already logged, shipper)``: the arm's child run of this flow run
+    (a retry's own, or a new one) and the shipper that fills it, skipping what a retry logged."""
+    run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
+    client = client_for(tracking.tracking_uri)
+    shipper = MlflowMetricLogger(
+        client, run_id, skip_through_step=done, late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc") if done else frozenset(),
+        kept_in=str(kept_in), warn=log.warning, drain_timeout_s=tracking_drain_s,
+    )
+    return client, run_id, done, shipper
+
+
 def _reuse_finished(
     cfg: TrainConfig, rd: Path, summary: dict[str, Any], history: list[dict[str, float]], warmstart: WarmStart,
     tracking: TrackingRef | None, tracking_drain_s: float, log, name: str,
@@ -222,12 +231,7 @@ def _reuse_finished(
     log.info(f"{name}: finished earlier ({rd / 'result.json'}): its record reused, nothing trained")
     run_id = None
     if tracking is not None:
-        run_id, done = open_child_run(tracking, cfg, rd, warmstart.heldout_acc)
-        client = client_for(tracking.tracking_uri)
-        shipper = MlflowMetricLogger(
-            client, run_id, skip_through_step=done, late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc") if done else frozenset(),
-            kept_in=str(rd / "history.jsonl"), warn=log.warning, drain_timeout_s=tracking_drain_s,
-        )
+        client, run_id, _, shipper = _open_tracking(tracking, cfg, rd, warmstart, rd / "history.jsonl", tracking_drain_s, log)
         try:
             with short_client_retries():
                 backfilled = shipper.ensure_history(history)
