@@ -31,6 +31,14 @@ an update and a decode achieve, alone and overlapped.
    :func:`~a3po.rollout.sampling.inverse_cdf_draw` (one uniform number per row: ``rollout.sampler:
    inverse_cdf``). Median milliseconds of ``--reps``.
 
+6. Where the update's time goes: one more update under ``torch.profiler`` (CPU), each op's own time
+   (its children's excluded, so the categories add up to the profiled update) summed by kind:
+   ``matmul`` (``mm``/``addmm``/``bmm``: the layers' and the head's GEMMs, forward and backward; its
+   GFLOPS and % of peak from the update's FLOPs above less attention's), ``attention`` (the fused SDPA kernels),
+   ``casts`` (autocast's and every other dtype copy), ``vocabulary`` (log-softmax / logsumexp / exp
+   over the head's entries) and ``the rest`` (elementwise ops, norms, views, the autograd engine).
+   The profiler's own overhead is in the total, so the shares matter, not the seconds.
+
 Percent of peak is against the peak of the phase's matmul precision (fp32 or bf16) on the same threads
 (the overlap: on one thread). Prints a table, then as the very last line one JSON object.
 """
@@ -101,12 +109,11 @@ class Shape:
 
     def update_flops(self, batch: int, prompt: int, response: int) -> float:
         t = prompt + response
-        forward = (
-            2 * self.body * batch * t
-            + 2 * self.hidden * self.vocab * batch * response
-            + 2 * self.layers * batch * t**2 * self.attn_dim
-        )
-        return 3.0 * forward
+        return self.update_gemm_flops(batch, prompt, response) + 3.0 * 2 * self.layers * batch * t**2 * self.attn_dim
+
+    def update_gemm_flops(self, batch: int, prompt: int, response: int) -> float:
+        """The update's FLOPs outside attention: the layers' and the head's matrix products."""
+        return 3.0 * (2 * self.body * batch * (prompt + response) + 2 * self.hidden * self.vocab * batch * response)
 
     def decode_flops(self, rows: int, prompt: int, tokens: int, mean_context: float) -> float:
         prefill = (
@@ -205,6 +212,27 @@ def vocabulary(args, vocab: int, precision: str) -> dict[str, float]:
         ("sample_inverse_cdf_ms", lambda: inverse_cdf_draw(probs, torch.rand((args.batch, 1), generator=gen))),
     ):
         out[name] = 1e3 * _timed(fn, args.reps)[0]
+    return out
+
+
+UPDATE_KINDS = {  # aten op -> kind, for the update's breakdown (item 6 of the module docstring)
+    **dict.fromkeys(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"), "matmul"),
+    **dict.fromkeys(("aten::to", "aten::_to_copy", "aten::copy_"), "casts"),
+    **dict.fromkeys(("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::logsumexp", "aten::exp",
+                     "aten::exp_", "aten::_softmax", "aten::_softmax_backward_data"), "vocabulary"),
+}
+
+
+def update_breakdown(update) -> dict[str, float]:
+    """Seconds of one profiled ``update()`` by kind of op (:data:`UPDATE_KINDS`; attention by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
+    out = dict.fromkeys(("matmul", "attention", "casts", "vocabulary", "the rest"), 0.0)
+    for e in prof.key_averages():
+        kind = "attention" if "scaled_dot_product" in e.key else UPDATE_KINDS.get(e.key, "the rest")
+        out[kind] += e.self_cpu_time_total / 1e6
     return out
 
 
@@ -325,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     for p in precisions:
         update, decoder_model, prompts = _setup(args, model, tok, p)
         s, _ = _timed(update, args.reps)
-        phases["update"][p] = {"flops": update_flops, "s": s}
+        phases["update"][p] = {"flops": update_flops, "s": s, "breakdown": update_breakdown(update)}
         engines = {
             "engine": RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id),
             "engine+inverse_cdf": RolloutEngine(decoder_model, tok.eos_token_id, tok.pad_token_id, sampler="inverse_cdf"),
@@ -405,6 +433,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{p:<14} {v['logprob_full_ms']:>17.1f} {v['logprob_chunked_ms']:>9.1f} "
               f"{v['logprob_full_ms'] / v['logprob_chunked_ms']:>5.2f}x {v['sample_multinomial_ms']:>12.2f} "
               f"{v['sample_inverse_cdf_ms']:>12.2f} {v['sample_multinomial_ms'] / v['sample_inverse_cdf_ms']:>5.1f}x")
+    print("\nwhere the update's time goes (one profiled update; seconds include the profiler's overhead)")
+    kinds = list(next(iter(phases["update"].values()))["breakdown"])
+    head = f"{'precision':<10} " + " ".join(f"{k:>16}" for k in kinds) + f" {'matmul GFLOPS':>14} {'% peak':>7}"
+    print(head + "\n" + "-" * len(head))
+    for p, r in phases["update"].items():
+        b = r["breakdown"]
+        total = sum(b.values())
+        gemm = shape.update_gemm_flops(args.batch, args.prompt_len, args.response_len)
+        mm_gflops = gemm / b["matmul"] / 1e9 if b["matmul"] else float("nan")
+        print(f"{p:<10} " + " ".join(f"{b[k]:>8.2f} ({100 * b[k] / total:>3.0f}%)" for k in kinds)
+              + f" {mm_gflops:>14.1f} {100 * mm_gflops / peak[p]:>6.1f}%")
     if "skipped" in ov:
         print(f"\noverlap: skipped ({ov['skipped']})")
     else:

@@ -20,18 +20,20 @@ trainer ranks' world) over {trainer rank 0, workers}, each used by one thread pe
   layout, the versions that follow at once: the checkpoint's history on resume; with OPPO the
   critic's layout and each worker's checkpointed OPPO state), then every version the trainer
   publishes, in order: an int64 header ``[version, bound]`` and the state dict as one byte buffer
-  (exact: bytes, not values), with ``oppo.intra`` and a critic followed by the critic's state of
-  that version; header ``[-1, 0]`` ends the run. ``bound`` is the staleness bound in force when the
-  trainer published the version (it moves under ``rl.staleness_control: adaptive`` and the guard's
-  ``tighten``); each worker's admission takes it before the version enters its store. The versions
-  are the trainer's weight store's: whole weights, gathered by every trainer rank under ZeRO-3. With
-  ``model.lora`` a version is the adapters alone (what the store holds): the worker builds the
-  trainer's peft model on the same warm start (:func:`worker_inputs`; the adapters' ``A`` is drawn
-  from a fixed seed and ``B`` is 0, so the two start equal) and merges each version into its own
-  frozen base (``W0 + s B A``, as the trainer process's engine does). Adapters rather than merged
-  weights: a push is the adapters' size, ~r (in + out) / (in out) of the model's (~1/190 at r 16
-  on a 7B model), the merge costs a fraction of one decode step per version, and the worker's
-  engine then loads exactly what a single-process run's engine loads.
+  (exact: bytes, not values; in bf16 where the workers' engine decodes from a bf16 copy and nothing
+  there needs more, :func:`version_wire`: the engine's own rounding, done before sending), with
+  ``oppo.intra`` and a critic followed by the critic's state of that version; header ``[-1, 0]``
+  ends the run. ``bound`` is the staleness bound in force when the trainer published the version (it
+  moves under ``rl.staleness_control: adaptive`` and the guard's ``tighten``); each worker's
+  admission takes it before the version enters its store. The versions are the trainer's weight
+  store's: whole weights, gathered by every trainer rank under ZeRO-3. With ``model.lora`` a version
+  is the adapters alone (what the store holds): the worker builds the trainer's peft model on the
+  same warm start (:func:`worker_inputs`; the adapters' ``A`` is drawn from a fixed seed and ``B``
+  is 0, so the two start equal) and merges each version into its own frozen base (``W0 + s B A``, as
+  the trainer process's engine does). Adapters rather than merged weights: a push is the adapters'
+  size, ~r (in + out) / (in out) of the model's (~1/190 at r 16 on a 7B model), the merge costs a
+  fraction of one decode step per version, and the worker's engine then loads exactly what a
+  single-process run's engine loads.
 * **samples** (send / recv, worker -> trainer): per batch an int64 header ``[index, rows,
   columns, prompt width, JSON bytes]``, the batch's tensors (token ids, masks, behaviour
   log-probs, per-token versions, finished flags, rewards), a JSON blob (meta, completions,
@@ -83,8 +85,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from a3po.devices import model_device
-from a3po.models.lora import trained_state, with_lora
+from a3po.devices import DType, model_device
+from a3po.models.lora import is_lora, trained_state, with_lora
 from a3po.oppo.intra import IntraScoring
 from a3po.oppo.overcommit import per_worker_states
 from a3po.parallel.ranks import Link, Ranks, launch_links
@@ -108,46 +110,126 @@ def rollout_links() -> tuple[Link, Link]:
     return links.weights, links.samples
 
 
+def version_wire(inp: RolloutInputs) -> torch.dtype | None:
+    """The dtype a version's floating tensors travel in to the workers; None: the trainer's own
+    (exact bytes). bf16 where the workers' torch engine decodes from a bf16 copy and nothing there
+    needs the trainer's precision: the engine rounds each weight to bf16 as it loads it anyway (the
+    same rounding, so the same samples), and a version is then half the bytes to pack, send, take
+    in and keep. The trainer's own bytes where a worker re-scores in the trainer's precision
+    (:attr:`~a3po.config.plan.RunPlan.rescore`), with LoRA (a version is the adapters, merged into
+    the worker's own base) and with vLLM (whose loader casts as it loads; not checked on bf16 input)."""
+    plan = inp.plan
+    narrow = plan.engine_dtype is DType.BFLOAT16 and inp.cfg.rollout.engine == "torch"
+    return torch.bfloat16 if narrow and not plan.rescore and not is_lora(inp.policy) else None
+
+
+def _wire_name(wire: torch.dtype | None) -> str | None:
+    return None if wire is None else str(wire).removeprefix("torch.")
+
+
 # --- weights: one byte buffer per version --------------------------------------------------------
 
 
-def state_layout(state: dict[str, torch.Tensor]) -> Layout:
-    return [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in state.items()]
+def state_layout(state: dict[str, torch.Tensor], wire: torch.dtype | None = None) -> Layout:
+    """Each tensor's name, dtype and shape as it travels: a floating tensor in ``wire`` where given."""
+    return [[k, str(_on_wire(v.dtype, wire)).removeprefix("torch."), list(v.shape)] for k, v in state.items()]
+
+
+def _on_wire(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype:
+    return wire if wire is not None and dtype.is_floating_point else dtype
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size() * int(torch.Size(shape).numel())
 
 
-def pack_state(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The state dict's bytes, concatenated in order (CPU uint8)."""
-    return torch.cat([v.detach().reshape(-1).cpu().view(torch.uint8) for v in state.values()])
+def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: earlier name}`` for each tensor of ``state`` that is an earlier one itself (tied
+    weights: a causal LM's output head is often its input embeddings, ~20% of a small model's
+    bytes); such a tensor travels once and the worker points both names at it."""
+    seen: dict[tuple, str] = {}
+    tied = {}
+    for name, v in state.items():
+        if v.numel() == 0:  # e.g. a parameter partitioned away (ZeRO-3): no storage to compare
+            continue
+        key = (v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+    return tied
 
 
-def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def packed_size(layout: Layout, tied: dict[str, str] | None = None) -> int:
+    """The bytes of a state packed in ``layout`` (:func:`pack_state`), the ``tied`` names not sent."""
+    return sum(_nbytes(d, s) for name, d, s in layout if name not in (tied or {}))
+
+
+def _slot(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+    """``buf[at:at + n]`` seen as a ``dtype`` tensor of ``shape``, or None where ``at`` is not a
+    multiple of the element size (a view must be aligned: a bf16 tensor of odd length shifts the rest)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return buf[at : at + n].view(dtype).view(shape) if at % size == 0 else None
+
+
+def pack_state(state: dict[str, torch.Tensor], wire: torch.dtype | None = None,
+               tied: dict[str, str] | None = None) -> torch.Tensor:
+    """The state dict's bytes, concatenated in order (CPU uint8), each of the ``tied`` names left
+    out (:func:`tied_names`); with ``wire`` each floating tensor is cast to it on the way, in the
+    same pass that copies it in."""
+    tied = tied or {}
+    layout = state_layout(state, wire)
+    buf = torch.empty(packed_size(layout, tied), dtype=torch.uint8)
+    at = 0
+    for (name, dtype, shape), v in zip(layout, state.values(), strict=True):
+        if name in tied:
+            continue
+        n, target = _nbytes(dtype, shape), getattr(torch, dtype)
+        slot = _slot(buf, at, n, target, shape)
+        if slot is not None:
+            slot.copy_(v.detach())
+        else:
+            buf[at : at + n] = v.detach().to("cpu", target).reshape(-1).view(torch.uint8)
+        at += n
+    return buf
+
+
+def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device,
+                 tied: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors :func:`pack_state` packed: views into ``buf`` where aligned (no copy on the
+    worker's core, which is the generation's), a copy where not; each ``tied`` name the very
+    tensor of its earlier twin."""
+    tied = tied or {}
     out, at = {}, 0
     for name, dtype, shape in layout:
+        if name in tied:
+            out[name] = out[tied[name]]
+            continue
         n = _nbytes(dtype, shape)
-        # clone: a fresh, aligned storage per tensor before reinterpreting its bytes
-        out[name] = buf[at : at + n].clone().view(getattr(torch, dtype)).reshape(shape).to(device)
+        slot = _slot(buf, at, n, getattr(torch, dtype), shape)
+        if slot is None:
+            slot = buf[at : at + n].clone().view(getattr(torch, dtype)).view(shape)
+        out[name] = slot.to(device)
         at += n
     return out
 
 
-def _push_version(version: int, bound: int, states: list[dict[str, torch.Tensor]], link: Link) -> None:
-    """Version ``version`` with the staleness bound in force from it on: the policy's state, then
-    the critic's with ``oppo.intra``."""
+def _push_version(version: int, bound: int, states: list[dict[str, torch.Tensor]], link: Link,
+                  wire: torch.dtype | None = None, tied: dict[str, str] | None = None) -> None:
+    """Version ``version`` with the staleness bound in force from it on: the policy's state (its
+    floating tensors in ``wire`` where given, its ``tied`` names left out), then the critic's with
+    ``oppo.intra``."""
     link.broadcast(torch.tensor([version, bound], dtype=torch.int64), TRAINER)
-    for state in states:
-        link.broadcast(pack_state(state), TRAINER)
+    for i, state in enumerate(states):
+        link.broadcast(pack_state(state, wire, tied) if i == 0 else pack_state(state), TRAINER)
 
 
 def _push_stop(link: Link) -> None:
     link.broadcast(torch.tensor([STOP, 0], dtype=torch.int64), TRAINER)
 
 
-def _receive_version(layouts: list[Layout], device: torch.device,
-                     link: Link) -> tuple[int, int, list[dict[str, torch.Tensor]]]:
+def _receive_version(layouts: list[Layout], device: torch.device, link: Link,
+                     tied: dict[str, str] | None = None) -> tuple[int, int, list[dict[str, torch.Tensor]]]:
     """What :func:`_push_version` sent, ``(version, bound, states)`` (one state per layout);
     ``(STOP, 0, [])`` at the end of the run."""
     header = torch.empty(2, dtype=torch.int64)
@@ -156,10 +238,11 @@ def _receive_version(layouts: list[Layout], device: torch.device,
     if version == STOP:
         return version, 0, []
     states = []
-    for layout in layouts:
-        buf = torch.empty(sum(_nbytes(d, s) for _, d, s in layout), dtype=torch.uint8)
+    for i, layout in enumerate(layouts):
+        ties = tied if i == 0 else None  # the policy's
+        buf = torch.empty(packed_size(layout, ties), dtype=torch.uint8)
         link.broadcast(buf, TRAINER)
-        states.append(unpack_state(buf, layout, device))
+        states.append(unpack_state(buf, layout, device, ties))
     return version, bound, states
 
 
@@ -273,6 +356,28 @@ class WorkerStates:
         return got
 
 
+class PushFigures:
+    """What pushing versions to the workers cost the trainer process since a batch last took the
+    figures: ``perf/weights_push_s`` (packing and broadcasting, summed over the versions; it runs
+    in a thread of the trainer process, beside the update) and ``perf/weights_push_mb`` (the policy's
+    bytes). Zero where no version went out in between."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds, self._bytes = 0.0, 0
+
+    def add(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self._seconds += seconds
+            self._bytes += nbytes
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            figures = {"perf/weights_push_s": self._seconds, "perf/weights_push_mb": self._bytes / 2**20}
+            self._seconds, self._bytes = 0.0, 0
+        return figures
+
+
 class RemoteRollouts:
     """The trainer's producer when rollout workers generate: the interface of
     :class:`a3po.producer.producer.RolloutProducer` (``start``, ``next_batch``, ``stop``, ``join``, ``close``).
@@ -292,6 +397,9 @@ class RemoteRollouts:
             self.oppo.tuners = list(saved)  # else the tuners start afresh: a schedule, not a ledger
         self.device = model_device(inp.policy)
         self.weights_link, self.samples_link = rollout_links()
+        self.wire = version_wire(inp)
+        self.tied = tied_names(trained_state(inp.policy))  # ties are the model's: the same in every version
+        self.pushed = PushFigures()
         self.bounds = VersionBounds(inp.plan.start_bound)  # guarded by the store's lock
         self.out: queue.Queue[ScoredBatch | ProducerFailed] = queue.Queue()
         self._halt = threading.Event()
@@ -328,13 +436,15 @@ class RemoteRollouts:
     def _push(self) -> None:
         try:
             versions = self.store.versions()
-            layout = state_layout(self.store.get(versions[-1]))
+            layout = state_layout(self.store.get(versions[-1]), self.wire)
             critic_layout = state_layout(self.critic_store.get(versions[-1])) if self.critic_store is not None else None
             self.weights_link.share({"start": self.start_index, "end": self.end, "layout": layout, "versions": versions,
-                                     "critic_layout": critic_layout, "oppo_state": self.oppo.carry,
+                                     "wire": _wire_name(self.wire), "tied": self.tied,
+                                     "critic_layout": critic_layout,
+                                     "oppo_state": self.oppo.carry,
                                      "intra_state": self.oppo.tuners})
             for v in versions:
-                _push_version(v, self._bound_at(v), self._states(v), self.weights_link)
+                self._push_one(v)
             last = versions[-1]
             self._hold(last + 1)
             while True:
@@ -343,7 +453,7 @@ class RemoteRollouts:
                         self.store.cond.wait(timeout=1.0)
                     latest, halting = self.store.latest, self._halt.is_set()
                 for v in range(last + 1, latest + 1):
-                    _push_version(v, self._bound_at(v), self._states(v), self.weights_link)
+                    self._push_one(v)
                     last = v
                     self._hold(last + 1)
                 if halting:
@@ -355,6 +465,12 @@ class RemoteRollouts:
                                             f"{self.workers}) failed: {e!r}; "
                                             "a worker has probably died; rerun the command to resume "
                                             "from the newest checkpoint"))
+
+    def _push_one(self, version: int) -> None:
+        t0 = time.perf_counter()
+        states = self._states(version)
+        _push_version(version, self._bound_at(version), states, self.weights_link, self.wire, self.tied)
+        self.pushed.add(time.perf_counter() - t0, packed_size(state_layout(states[0], self.wire), self.tied))
 
     def _receive(self) -> None:
         for j in range(self.start_index, self.end):
@@ -371,6 +487,7 @@ class RemoteRollouts:
             if isinstance(got, str):
                 self.out.put(ProducerFailed(f"rollout worker rank {src} failed:\n{got}"))
                 return
+            got.metrics.update(self.pushed.take())
             self.out.put(self.oppo.record(k, got))
 
     def next_batch(self, timeout: float = 600.0) -> ScoredBatch:
@@ -471,11 +588,23 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
     inp = worker_inputs(inp)
     weights_link, samples_link = rollout_links()
     hello = weights_link.share(None)
-    layout = state_layout(trained_state(inp.policy))  # the versions' layout: the whole state, or the adapters
+    wire = version_wire(inp)
+    if hello["wire"] != _wire_name(wire):  # e.g. nodes that differ in native bf16 under dtype: auto
+        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer sends its weight versions as "
+                           f"{hello['wire'] or 'its own full-precision bytes'}, this worker takes them as "
+                           f"{_wire_name(wire) or 'full-precision bytes'} (its engine's dtype here: "
+                           f"{inp.plan.engine_dtype.value}); both decide from the same config, so their machines "
+                           "differ in native bf16 under dtype: auto: set rollout.dtype to pin the engine's dtype")
+    layout = state_layout(trained_state(inp.policy), wire)  # the versions' layout: the whole state, or the adapters
     if hello["layout"] != layout:
         diff = next((a, b) for a, b in zip(hello["layout"] + [None], layout + [None], strict=False) if a != b)
         raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer's weights do not fit this worker's model "
                            f"(trainer {diff[0]} vs worker {diff[1]}); both must load the same model")
+    tied = hello["tied"]
+    entries = {name: (d, s) for name, d, s in layout}
+    if any(entries.get(a) != entries.get(b) or b not in entries for a, b in tied.items()):
+        raise RuntimeError(f"rollout worker rank {ranks.rank}: the trainer sends tied weights {tied} once, but "
+                           "this worker's model does not have them alike; both must load the same model")
     device = model_device(inp.policy)
     store = WeightStore(weight_retention(inp.plan, end=hello["end"]))
     k, n = ranks.rank - ranks.world_size, ranks.rollout_workers
@@ -498,7 +627,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
 
     bound = inp.plan.start_bound
     for _ in hello["versions"]:  # the versions the first batches start on (a checkpoint's history on resume)
-        version, bound, states = _receive_version(layouts, device, weights_link)
+        version, bound, states = _receive_version(layouts, device, weights_link, tied)
         publish(version, states)
     first = hello["start"] + (k - hello["start"]) % n
     # The engine's log-prob error against this worker's trainer-precision copy (proximal: metrics)
@@ -513,7 +642,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
     def receive_weights() -> None:
         try:
             while True:
-                version, bound, states = _receive_version(layouts, device, weights_link)
+                version, bound, states = _receive_version(layouts, device, weights_link, tied)
                 if version == STOP:  # normally after this worker's last batch; earlier if the trainer failed
                     producer.out.put(None)
                     return

@@ -49,6 +49,11 @@ def test_roofline_runs_on_micro_and_ends_with_one_json_line(capsys):
     # + 2*32*146*4*8 = 299,008 (head on the 8 response positions) + 2*1*4*14^2*32 = 50,176 (attention)
     # = 1,517,568; with the backward (2 x forward) 3 x that = 4,552,704.
     assert all(r["flops"] == 4_552_704 for r in last["update"].values())
+    # Where the update's time goes: each kind of op timed, the matmuls (every layer has them) among them.
+    for r in last["update"].values():
+        assert list(r["breakdown"]) == ["matmul", "attention", "casts", "vocabulary", "the rest"]
+        assert r["breakdown"]["matmul"] > 0 and r["breakdown"]["attention"] > 0 and r["breakdown"]["the rest"] > 0
+    assert any(line.startswith("where the update's time goes") for line in out)
     for phase in ("update", "decode"):
         for key, r in last[phase].items():
             assert r["s"] > 0 and r["gflops"] > 0, key

@@ -25,7 +25,15 @@ import pytest
 import torch
 
 from a3po.config.preflight import deepspeed_available
-from a3po.placement.rollout_workers import VersionBounds, pack_state, state_layout, unpack_state
+from a3po.placement.rollout_workers import (
+    PushFigures,
+    VersionBounds,
+    pack_state,
+    state_layout,
+    tied_names,
+    unpack_state,
+    version_wire,
+)
 from tests.support.cli_runs import assert_equal_runs, assert_same_trajectory, deepspeed_json, run_and_kill, run_to_json
 from tests.support.cli_runs import final_weights as _final_weights
 from tests.support.cli_runs import share_warmstart as _share_warmstart
@@ -135,6 +143,32 @@ def test_an_adaptive_bound_raised_by_the_trainer_reaches_the_worker(runs):
     assert bounds[:3] == [2.0, 3.0, 3.0] and set(bounds[2:]) == {3.0}, bounds  # raised after steps 1 and 2
     assert all(x <= 3.0 for x in staleness), staleness
     assert max(staleness) >= 2.0, f"the worker kept its starting bound 1: staleness {staleness}, bound {bounds}"
+
+
+def _push_units(run: dict) -> list[float]:
+    """The policy MiB each batch brought with it (``perf/weights_push_mb``), zeros aside."""
+    rows = [json.loads(line) for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return [r["perf/weights_push_mb"] for r in rows if r.get("perf/weights_push_mb")]
+
+
+@pytest.mark.slow
+def test_a_bf16_engine_takes_its_versions_in_bf16_and_samples_as_in_one_process(runs):
+    """``rollout.dtype: bfloat16`` beside the fp32 trainer: the trainer sends each version rounded
+    to bf16 (half the bytes of the fp32 run above), and the worker's engine holds the very weights
+    it would have loaded from fp32 bytes, so the run still equals the single process bit for bit."""
+    tmp = runs["tmp"]
+    runs_bf16 = {}
+    for name, workers in (("single-bf16", 0), ("two-bf16", 1)):
+        config = tmp / f"{name}.yaml"
+        config.write_text(_config(tmp, workers).read_text() + "rollout: {dtype: bfloat16}\n")
+        _share_warmstart(tmp / "single", tmp / name)
+        runs_bf16[name] = _train(config, tmp / name, nproc=2 if workers else None)
+    assert_equal_runs(runs_bf16["single-bf16"], runs_bf16["two-bf16"], STEPS)
+    fp32, bf16 = _push_units(runs["two"]), _push_units(runs_bf16["two-bf16"])
+    assert fp32 and bf16, "no version went to the worker"
+    one32, one16 = min(fp32), min(bf16)  # one version's bytes (a batch may bring several)
+    assert one16 == pytest.approx(one32 / 2, rel=1e-12), (one32, one16)
+    assert all(x / one16 == pytest.approx(round(x / one16)) for x in bf16), bf16
 
 
 # --- DeepSpeed trainer ranks and a rollout worker in one launch -----------------------------------
@@ -251,6 +285,97 @@ def test_weights_travel_as_exact_bytes_whatever_the_dtype():
     for k in state:
         assert back[k].dtype == state[k].dtype and back[k].shape == state[k].shape
         assert torch.equal(back[k], state[k]), k
+
+
+def test_a_version_in_bf16_is_each_float_rounded_as_the_engine_rounds_it_and_half_the_bytes():
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(3, 5, generator=g),
+        "b16": torch.randn(7, generator=g).to(torch.bfloat16),  # odd count: the int64 after it lands unaligned
+        "i": torch.tensor([1, -2, 3], dtype=torch.int64),
+        "d": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "mask": torch.tensor([True, False, True]),
+    }
+    layout = state_layout(state, torch.bfloat16)
+    assert [d for _, d, _ in layout] == ["bfloat16", "bfloat16", "int64", "bfloat16", "bool"]
+    buf = pack_state(state, torch.bfloat16)
+    assert buf.numel() == 15 * 2 + 7 * 2 + 3 * 8 + 4 * 2 + 3
+    assert pack_state(state).numel() == 15 * 4 + 7 * 2 + 3 * 8 + 4 * 8 + 3
+    back = unpack_state(buf, layout, torch.device("cpu"))
+    for k, v in state.items():
+        # what a bf16 parameter holds after load_state_dict from the full-precision tensor
+        want = torch.empty_like(v, dtype=torch.bfloat16).copy_(v) if v.is_floating_point() else v
+        assert back[k].dtype == want.dtype and torch.equal(back[k], want), k
+
+
+def test_tied_weights_travel_once_and_arrive_as_one_tensor_under_both_names():
+    from tests.support.tiny_models import qwen2
+
+    state = qwen2().state_dict()  # tie_word_embeddings: the head is the embeddings
+    tied = tied_names(state)
+    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tied_names({k: v.clone() for k, v in state.items()}) == {}  # equal values are not a tie
+    layout = state_layout(state)
+    head = state["lm_head.weight"]
+    buf = pack_state(state, tied=tied)
+    assert buf.numel() == pack_state(state).numel() - head.numel() * head.element_size()
+    back = unpack_state(buf, layout, torch.device("cpu"), tied)
+    assert list(back) == list(state) and all(torch.equal(back[k], state[k]) for k in state)
+    assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("tied_model", [False, True])
+def test_an_engine_loaded_from_a_bf16_version_equals_one_loaded_from_the_trainers_weights(tied_model):
+    """The worker's engine (a bf16 copy) ends with the same weights whether the version came in the
+    trainer's fp32 bytes or rounded to bf16 before sending, its tied weights once: so it samples
+    the same tokens."""
+    from a3po.models.factory import empty_like
+    from tests.support.tiny_models import llama, qwen2
+
+    policy = qwen2() if tied_model else llama()
+    state = policy.state_dict()
+    wire, tied = torch.bfloat16, tied_names(state)
+    assert bool(tied) == tied_model
+    direct, sent = empty_like(policy, torch.bfloat16), empty_like(policy, torch.bfloat16)
+    direct.load_state_dict(state)
+    sent.load_state_dict(unpack_state(pack_state(state, wire, tied), state_layout(state, wire), torch.device("cpu"),
+                                      tied))
+    d, s = direct.state_dict(), sent.state_dict()
+    assert d.keys() == s.keys() and all(torch.equal(d[k], s[k]) for k in d)
+    assert any(not torch.equal(v.float(), state[k]) for k, v in d.items())  # the rounding is real here
+
+
+def _inputs(**sections):
+    from a3po.config import RunPlan, config_from_dict
+    from a3po.placement.in_process import RolloutInputs
+    from tests.support.tiny_models import llama
+
+    cfg = config_from_dict({"distributed": {"rollout_workers": 1}, **sections})
+    policy = llama()
+    if cfg.model.lora is not None:
+        from a3po.models.lora import with_lora
+
+        policy = with_lora(policy, cfg.model.lora)
+    return RolloutInputs(cfg, RunPlan.of(cfg, cores=2), policy, tokenizer=None, train_rows=[], score=None)
+
+
+def test_versions_travel_in_bf16_only_where_the_worker_needs_nothing_more():
+    assert version_wire(_inputs(rollout={"dtype": "bfloat16"})) is torch.bfloat16
+    assert version_wire(_inputs(rollout={"dtype": "float32"})) is None
+    assert version_wire(_inputs()) is None  # float32 trainer, engine in its dtype
+    # The worker re-scores each batch in the trainer's precision: it needs the trainer's bytes.
+    assert version_wire(_inputs(rollout={"dtype": "bfloat16"}, rl={"proximal": "metrics"})) is None
+    # LoRA: a version is the adapters, merged into the worker's full-precision base.
+    assert version_wire(_inputs(rollout={"dtype": "bfloat16"}, model={"lora": {"r": 4}})) is None
+
+
+def test_push_figures_sum_the_versions_sent_since_the_last_batch_took_them():
+    pushed = PushFigures()
+    assert pushed.take() == {"perf/weights_push_s": 0.0, "perf/weights_push_mb": 0.0}
+    pushed.add(0.5, 2**20)
+    pushed.add(0.25, 2**21)
+    assert pushed.take() == {"perf/weights_push_s": 0.75, "perf/weights_push_mb": 3.0}
+    assert pushed.take() == {"perf/weights_push_s": 0.0, "perf/weights_push_mb": 0.0}
 
 
 def test_a_version_carries_the_bound_in_force_when_it_was_published():
