@@ -8,13 +8,16 @@ Benchmark files are looked up in ``data_dir`` (``<data_dir>/<name>/test.jsonl``)
 never needs them: a missing folder or file skips that benchmark and the reason is recorded
 (returned, and tagged on the MLflow run).
 
-Cached by a hash of the model files plus the evaluation settings: re-running a flow whose
-variants are already trained does not re-evaluate them.
+Cached by a hash of the model files plus the evaluation settings and the code that computes the
+figures (:func:`evaluation_code_hash`): re-running a flow whose variants are already trained does
+not re-evaluate them, and a checkout whose evaluation code differs never takes another's figures.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ from a3po.config import TrainConfig
 from a3po.config.plan import decoding_dtype, evaluation_threads
 from a3po.devices import DType, machine_precision
 from a3po.placement.cores import usable_cores
-from a3po.storage.content import content_hash, sha256_file
+from a3po.storage.content import content_hash, sha256_file, source_hash
 from tasks.runtime import run_logger
 
 BENCHMARKS = ("gsm8k", "math500", "aime24")
@@ -34,6 +37,20 @@ BENCHMARKS = ("gsm8k", "math500", "aime24")
 
 def model_hash(model_dir: str | Path) -> str:
     return content_hash(model_dir)[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def evaluation_code_hash() -> str:
+    """A hash of the code an evaluation runs through: the library (loading, the engine, sampling,
+    grading), the benchmark runner and this module. Any edit there is another cache entry, figures
+    and all: an edit that moves a greedy answer by one problem must not be answered from a cache
+    of the code before it. Computed once per process (a checkout does not change under a run)."""
+    import a3po
+
+    runner = importlib.util.find_spec("eval")
+    assert runner is not None and runner.submodule_search_locations, "the benchmark runner package 'eval'"
+    return source_hash([Path(a3po.__file__).parent, Path(next(iter(runner.submodule_search_locations))),
+                        Path(__file__)])[:16]
 
 
 def available_benchmarks(benchmarks: list[str], data_dir: str | None) -> tuple[list[str], dict[str, str]]:
@@ -64,6 +81,7 @@ def _eval_cache_key(context, inputs) -> str | None:
     blob = json.dumps(
         {
             "model": model_hash(model_dir),
+            "code": evaluation_code_hash(),
             "heldout": sha256_file(cfg.data.heldout_path) if cfg.data.heldout_path else None,
             "task": cfg.data.task,
             "measure": [cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.eval_samples, evaluation_threads(cfg, usable_cores()),

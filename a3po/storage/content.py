@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Iterable
 
 _CHUNK = 1 << 22
 
@@ -73,3 +74,17 @@ def content_hash(path: str | Path) -> str:
     if not path.is_dir():
         return sha256_file(path)
     return hashlib.sha256(json.dumps(folder_hashes(path), sort_keys=True).encode()).hexdigest()
+
+
+def source_hash(roots: Iterable[str | Path]) -> str:
+    """sha256 of the Python source under ``roots`` (package folders, or single files): each
+    ``.py`` file's path relative to its root and its bytes, in a fixed order. What a cache of a
+    computation's results keys on besides its inputs, so a change to the code that computes them
+    is another entry, never a stale hit."""
+    h = hashlib.sha256()
+    for root in map(Path, roots):
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for f in files:
+            h.update(f"{root.name}/{f.relative_to(root) if root.is_dir() else ''}\0".encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()

@@ -9,7 +9,9 @@
 - the named-model cache (``a3po.models.sources``): a file damaged in place at its size is named
   and converted again, on a stand-in source (a micro model instead of the GGUF conversion);
 - the dataset cache of the flows (``tasks.data.dataset_key``): keyed by the tokenizer's folder
-  content, not its name.
+  content, not its name;
+- the evaluation cache keys on the code that computes the figures too
+  (``a3po.storage.content.source_hash``): the same code anywhere, any edit another entry.
 """
 
 from __future__ import annotations
@@ -277,3 +279,28 @@ def test_a_damaged_reward_model_file_is_named_and_trained_again(inputs, tmp_path
     again, again_figures = prepare_reward_model(cfg, ws, tmp_path / "cache", settings, log=said.append)
     assert again == rm and _same(_weights(rm), good) and same_figures(again_figures)  # seeded: the same model
     assert f"{rm / 'model.safetensors'}: content hash mismatch" in said[0]
+
+
+def test_a_source_hash_follows_the_code_not_where_it_lies(tmp_path):
+    from a3po.storage.content import source_hash
+
+    def package(at: Path, body: str) -> Path:
+        (at / "pkg" / "sub").mkdir(parents=True)
+        (at / "pkg" / "__init__.py").write_text("")
+        (at / "pkg" / "sub" / "m.py").write_text(body)
+        (at / "pkg" / "notes.txt").write_text("not code")
+        return at / "pkg"
+
+    a, b = package(tmp_path / "a", "X = 1\n"), package(tmp_path / "b", "X = 1\n")
+    single = tmp_path / "single.py"
+    single.write_text("Y = 2\n")
+    first = source_hash([a, single])
+    assert source_hash([b, single]) == first  # the same code elsewhere
+    (a / "notes.txt").write_text("edited")
+    assert source_hash([a, single]) == first  # not Python source
+    (a / "sub" / "m.py").write_text("X = 2\n")
+    assert source_hash([a, single]) != first  # an edit in a subpackage
+    (b / "sub" / "n.py").write_text("")
+    assert source_hash([b, single]) != first  # a new module
+    single.write_text("Y = 3\n")
+    assert source_hash([package(tmp_path / "c", "X = 1\n"), single]) != first  # the single file

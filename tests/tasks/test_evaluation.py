@@ -4,6 +4,8 @@ evaluations on other thread counts and dtypes apart."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 import a3po.devices
@@ -94,3 +96,28 @@ def test_the_evaluation_cache_keys_on_the_weights_it_decodes_from(monkeypatch, t
         monkeypatch.setattr(a3po.devices, "native_bf16", lambda device, native=native: native)
         keys.append(evaluation._eval_cache_key(None, inputs))
     assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_the_evaluation_cache_keys_on_the_code_that_computes_the_figures(monkeypatch, tmp_path):
+    """The same model and settings under other evaluation code (an edit that changes how the
+    checkpoint is loaded, say) is another entry: a hit would report the old code's figures."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.bin").write_bytes(b"w")
+    inputs = {"model_dir": str(tmp_path / "model"), "benchmarks": [], "data_dir": None, "cfg": _cfg(0), "limit": None,
+              "bench_max_new_tokens": 16, "out_dir": str(tmp_path / "eval")}
+    keys = []
+    for code in ("before", "after", "before"):
+        monkeypatch.setattr(evaluation, "evaluation_code_hash", lambda code=code: code)
+        keys.append(evaluation._eval_cache_key(None, inputs))
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+    # The real hash covers the library, the benchmark runner and the task module.
+    monkeypatch.undo()
+    seen = []
+    monkeypatch.setattr(evaluation, "source_hash", lambda roots: seen.extend(roots) or "0" * 64)
+    evaluation.evaluation_code_hash.cache_clear()
+    try:
+        evaluation.evaluation_code_hash()
+    finally:
+        evaluation.evaluation_code_hash.cache_clear()
+    root = Path(evaluation.__file__).resolve().parents[1]
+    assert [Path(r).resolve() for r in seen] == [root / "a3po", root / "eval", root / "tasks" / "evaluation.py"]
