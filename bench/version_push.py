@@ -86,7 +86,7 @@ def _side(rank: int, core: int, model_name: str, wires: list[str], reps: int, st
                 for k, v in spans.items():
                     times.setdefault(k, []).append(v)
         times["mb"] = [nbytes / 2**20]
-    out.put((rank, figures))
+    out.put((rank, figures, count_parameters(model)))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,10 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                  out)) for r in (0, 1)]
         for p in procs:
             p.start()
-        got = dict(out.get(timeout=3600) for _ in procs)
+        sides = [out.get(timeout=3600) for _ in procs]
         for p in procs:
             p.join()
-    model, _ = load(args.model)
+    got = {rank: figures for rank, figures, _ in sides}
+    params = sides[0][2]
     rows = {}
     for w in wires:
         t, r = got[0][w], got[1][w]
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         med["worker_s"] = med["receive"] + med["unpack"] + med["engine_load"]
         rows[w] = med
 
-    print(f"version push: model {args.model} ({count_parameters(model) / 1e6:.1f}M parameters), trainer on core "
+    print(f"version push: model {args.model} ({params / 1e6:.1f}M parameters), trainer on core "
           f"{pinned[0]}, worker on core {pinned[1]}, one thread each; median of {args.reps}")
     head = (f"{'wire':<10} {'MiB':>7} {'pack':>7} {'send':>7} {'trainer':>8} {'receive':>8} {'unpack':>7} "
             f"{'engine load':>12} {'worker':>7}")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "bench": "version_push",
         "model": args.model,
-        "params": count_parameters(model),
+        "params": params,
         "cores": pinned,
         "reps": args.reps,
         "wires": rows,

@@ -140,7 +140,7 @@ def _on_wire(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype:
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size() * int(torch.Size(shape).numel())
+    return getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())
 
 
 def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -168,8 +168,7 @@ def packed_size(layout: Layout, tied: dict[str, str] | None = None) -> int:
 def _slot(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
     """``buf[at:at + n]`` seen as a ``dtype`` tensor of ``shape``, or None where ``at`` is not a
     multiple of the element size (a view must be aligned: a bf16 tensor of odd length shifts the rest)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return buf[at : at + n].view(dtype).view(shape) if at % size == 0 else None
+    return buf[at : at + n].view(dtype).view(shape) if at % dtype.itemsize == 0 else None
 
 
 def pack_state(state: dict[str, torch.Tensor], wire: torch.dtype | None = None,
@@ -215,13 +214,17 @@ def unpack_state(buf: torch.Tensor, layout: Layout, device: torch.device,
 
 
 def _push_version(version: int, bound: int, states: list[dict[str, torch.Tensor]], link: Link,
-                  wire: torch.dtype | None = None, tied: dict[str, str] | None = None) -> None:
+                  wire: torch.dtype | None = None, tied: dict[str, str] | None = None) -> int:
     """Version ``version`` with the staleness bound in force from it on: the policy's state (its
     floating tensors in ``wire`` where given, its ``tied`` names left out), then the critic's with
-    ``oppo.intra``."""
+    ``oppo.intra``. Returns the policy's bytes sent."""
     link.broadcast(torch.tensor([version, bound], dtype=torch.int64), TRAINER)
+    sent = 0
     for i, state in enumerate(states):
-        link.broadcast(pack_state(state, wire, tied) if i == 0 else pack_state(state), TRAINER)
+        buf = pack_state(state, wire, tied) if i == 0 else pack_state(state)
+        link.broadcast(buf, TRAINER)
+        sent = sent or buf.numel()
+    return sent
 
 
 def _push_stop(link: Link) -> None:
@@ -469,8 +472,8 @@ class RemoteRollouts:
     def _push_one(self, version: int) -> None:
         t0 = time.perf_counter()
         states = self._states(version)
-        _push_version(version, self._bound_at(version), states, self.weights_link, self.wire, self.tied)
-        self.pushed.add(time.perf_counter() - t0, packed_size(state_layout(states[0], self.wire), self.tied))
+        sent = _push_version(version, self._bound_at(version), states, self.weights_link, self.wire, self.tied)
+        self.pushed.add(time.perf_counter() - t0, sent)
 
     def _receive(self) -> None:
         for j in range(self.start_index, self.end):
