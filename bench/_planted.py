@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give an a3po train command after --")
     import yaml
 
-    from a3po.cli import main as a3po_main
     from a3po.config import merge_yaml, preset
+    from a3po.training.command import main as train_main
 
     base = preset(command[command.index("--preset") + 1] if "--preset" in command else "tiny")
     own: dict[str, Any] = {}
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "planted.yaml"
         path.write_text(yaml.safe_dump(own))
-        return a3po_main([*command, "--config", str(path)])
+        return train_main([*command[1:], "--config", str(path)])  # `a3po train` without its "train"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -81,9 +81,10 @@ def collect(runs: Path, preset: str, steps: int, seeds: list[int], plant: str | 
         for variant in (CANDIDATE,) if plant else (CANDIDATE, *REFERENCES):
             if (out / f"{variant}-seed{seed}" / "result.json").exists():
                 continue
-            train = ["train", "--variant", variant, "--seed", str(seed), "--steps", str(steps), "--preset", preset,
+            train = ["--variant", variant, "--seed", str(seed), "--steps", str(steps), "--preset", preset,
                      "--output-dir", str(out), "--no-progress", *(["--config", config] if config else [])]
-            cmd = [sys.executable, "-m", "bench._planted", plant, "--", *train] if plant else [sys.executable, "-m", "a3po.cli", *train]
+            cmd = ([sys.executable, "-m", "bench._planted", plant, "--", "train", *train] if plant
+                   else [sys.executable, "-m", "a3po.training.command", *train])
             print(f"train {out.name}/{variant}-seed{seed}", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 

@@ -135,7 +135,7 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
     """``--launch`` and the LaunchSpec fields (infra.launch; docs/distributed.md)."""
     g = ap.add_argument_group("launch (multi-process training; docs/distributed.md)")
     g.add_argument("--launch", choices=[m.value for m in LaunchMode], default="local",
-                   help="local: in-process (default); torchrun / deepspeed: each training runs `python -m a3po.cli train` as launched ranks")
+                   help="local: in-process (default); torchrun / deepspeed: each training runs `python -m a3po.training.command` as launched ranks")
     g.add_argument("--nproc-per-node", type=int, help="torchrun: processes (ranks) per node")
     g.add_argument("--nnodes", type=int, help="torchrun: number of nodes")
     g.add_argument("--node-rank", type=int, help="torchrun: this node's rank (each node runs the command with its own)")

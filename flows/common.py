@@ -263,7 +263,7 @@ def run_comparison(
     fanout_deployment: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per arm x seed (``spec.seeds``), trained and evaluated from one warm start.
-    ``launch`` (not local): each training runs as ranks of ``python -m a3po.cli train``
+    ``launch`` (not local): each training runs as ranks of ``python -m a3po.training.command``
     (tasks.launched.train_launched). ``fanout_deployment``: each arm x seed runs as a run of that
     ``train-one`` deployment, all submitted at once, on the workers of its pool
     (flows.train_one); else here, in turn. ``arms``: tasks.arms.Arm; each record's ``arm`` is

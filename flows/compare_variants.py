@@ -86,6 +86,20 @@ def check_arms(spec: CompareSpec, base: TrainConfig) -> list[Arm]:
     return list(dict.fromkeys(Arm.of(variant_config(base, a, spec.seeds[0], spec.variant_overrides)) for a in arms))
 
 
+def check_spec(spec: CompareSpec) -> None:
+    """Every arm's config now, so a bad value (file, --set, option, deployment parameter) fails in
+    one line before any server starts or a deployment is registered (the flow builds them again
+    from its spec)."""
+    base = spec.train_config()
+    arms = check_arms(spec, base)
+    if not spec.fanout_deployment:  # deployed workers check their own machine (train_arm)
+        for arm in arms:
+            preflight(variant_config(base, arm, spec.seeds[0], spec.variant_overrides))
+    launch_for_config(launch_spec(spec.launch), base)  # e.g. 2 ranks without a DeepSpeed config
+    if spec.fanout_deployment and not os.environ.get("PREFECT_API_URL"):
+        raise ValueError("--fanout-deployment needs a Prefect server with workers: set PREFECT_API_URL (infra/start_prefect_server.sh)")
+
+
 @flow(name="compare-variants", log_prints=True)
 def compare_variants(spec: CompareSpec = CompareSpec()) -> dict[str, Any]:  # noqa: B008  (a frozen value)
     """Train and evaluate ``spec.variants`` (x OPPO modes x placements) x ``spec.seeds`` from one
@@ -94,7 +108,7 @@ def compare_variants(spec: CompareSpec = CompareSpec()) -> dict[str, Any]:  # no
     {"proximal": "metrics"}}`` logs loglinear's approximation error). output_dir: default
     runs/compare-<preset>; re-running resumes; ``{date}`` in it becomes the UTC date. launch:
     "local" (in-process, the default) or a LaunchSpec as a dict, e.g. ``{"mode": "torchrun",
-    "nproc_per_node": 2}``: each training then runs ``python -m a3po.cli train`` as launched ranks
+    "nproc_per_node": 2}``: each training then runs ``python -m a3po.training.command`` as launched ranks
     (infra.launch; docs/distributed.md); the topology is recorded on the runs.
     """
     t0 = time.perf_counter()
@@ -178,19 +192,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.compare_var
     own = {"variants": csv(args.variants), "oppo": csv(args.oppo) if args.oppo is not None else None,
            "placements": csv(args.placements) if args.placements is not None else None, "fanout_deployment": args.fanout_deployment}
 
-    def check(spec: CompareSpec) -> None:
-        """Every arm's config now, so a bad value (file, --set, option) fails in one line before
-        any server starts (the flow builds them again from its spec)."""
-        base = spec.train_config()
-        arms = check_arms(spec, base)
-        if not spec.fanout_deployment:  # deployed workers check their own machine (train_arm)
-            for arm in arms:
-                preflight(variant_config(base, arm, spec.seeds[0], spec.variant_overrides))
-        launch_for_config(launch_spec(spec.launch), base)  # e.g. 2 ranks without a DeepSpeed config
-        if spec.fanout_deployment and not os.environ.get("PREFECT_API_URL"):
-            raise ValueError("--fanout-deployment needs a Prefect server with workers: set PREFECT_API_URL (infra/start_prefect_server.sh)")
-
-    status, result, api = run_flow("compare_variants", compare_variants, CompareSpec, comparison_kwargs(args), own, check)
+    status, result, api = run_flow("compare_variants", compare_variants, CompareSpec, comparison_kwargs(args), own, check_spec)
     if result is None:
         return status
     print(printed_summary(result["summary"]))

@@ -145,6 +145,14 @@ def check_arms(spec: NightlySpec) -> tuple[Arm, list[Arm]]:
     return candidate, references
 
 
+def check_spec(spec: NightlySpec) -> None:
+    """What the night builds before it trains: its arms, its decision rule and its launch; raises
+    naming the field (the command line and a deployment's registration call it)."""
+    cand, refs = check_arms(spec)
+    resolve_rule(spec, spec.train_config().rl.steps, cand.name, [r.name for r in refs])
+    launch_for_config(spec.launch_spec(), spec.train_config())
+
+
 def resolve_rule(spec: NightlySpec, steps: int, candidate: str,
                  references: list[str]) -> tuple[str, float | None, float | None, int | None, str]:
     """``(rule, noise_sd, healthy_mean, calibration_seeds, note)``: the rule the night decides
@@ -264,12 +272,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.nightly_par
                confidence=args.confidence, n_boot=args.n_boot, history=args.history, rule=args.rule, noise_sd=args.noise_sd,
                healthy_mean=args.healthy_mean, calibration_seeds=args.calibration_seeds)
 
-    def check(spec: NightlySpec) -> None:
-        cand, refs = check_arms(spec)
-        resolve_rule(spec, spec.train_config().rl.steps, cand.name, [r.name for r in refs])
-        launch_for_config(spec.launch_spec(), spec.train_config())
-
-    status, res, api = run_flow("nightly_parity", nightly_parity, NightlySpec, comparison_kwargs(args), own, check)
+    status, res, api = run_flow("nightly_parity", nightly_parity, NightlySpec, comparison_kwargs(args), own, check_spec)
     if res is None:
         return status
     print("\n" + res["table_md"] + "\n\n" + res["report_md"])

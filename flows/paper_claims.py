@@ -89,6 +89,14 @@ def claim_arms(spec: ClaimsSpec, base: TrainConfig) -> list[Arm]:
                               for a in expand_arms(VARIANTS, None, spec.placements)))
 
 
+def check_spec(spec: ClaimsSpec) -> None:
+    """Every variant's config in every placement and the launch, before anything starts; raises
+    naming the field (the command line and a deployment's registration call it)."""
+    base = spec.train_config()
+    claim_arms(spec, base)
+    launch_for_config(spec.launch_spec(), base)
+
+
 @flow(name="paper-claims", log_prints=True)
 def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B008  (a frozen value)
     """Run sync, recompute and loglinear over ``spec.seeds`` and judge the paper's claims.
@@ -164,13 +172,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.paper_claim
     placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements is not None else None
     replicate = int_csv(args.replicate_seeds, "--replicate-seeds") if args.replicate_seeds is not None else None
 
-    def check(spec: ClaimsSpec) -> None:
-        base = spec.train_config()
-        claim_arms(spec, base)  # a refused combination, before anything starts
-        launch_for_config(spec.launch_spec(), base)
-
     status, res, api = run_flow("paper_claims", paper_claims, ClaimsSpec, comparison_kwargs(args),
-                                {"placements": placements, "replicate_seeds": replicate}, check)
+                                {"placements": placements, "replicate_seeds": replicate}, check_spec)
     if res is None:
         return status
     print("\n" + res["table_md"] + "\n\n" + res["pairs_md"] + "\n" + res["claims_md"])

@@ -67,6 +67,43 @@ def flow_parameters(yaml_params: dict[str, Any] | None, overrides: list[str]) ->
     return params
 
 
+def parameter_problems(entrypoint: str, params: dict[str, Any]) -> list[str]:
+    """Why a run of the flow at ``entrypoint`` with ``params`` would fail before it trains, one line
+    per problem (none: it would start): a typo fails here, naming the field, not at 02:00. The
+    spec is read as the flow's own command line reads it, strictly (Prefect's check would turn
+    ``true`` into 1 for an int field, where the config refuses a bool), then everything the run
+    builds first is built: the config (preset, file, overrides), every arm's, the decision rule and
+    the launch (the flow module's ``check_spec``), from the checkout's root, where the worker runs
+    it. A deployment given no parameters (train-one) takes every one from the run that submits it:
+    nothing to check here."""
+    import importlib
+    import typing
+
+    from pydantic import ValidationError
+
+    if not params:
+        return []
+    module_path, _, flow_name = entrypoint.partition(":")
+    module = importlib.import_module(module_path.removesuffix(".py").replace("/", "."))
+    flow_fn = getattr(module, flow_name).fn
+    if set(params) != {"spec"}:
+        return [f"parameters {sorted(params)}: the flow takes one, spec"]
+    spec_type = typing.get_type_hints(flow_fn)["spec"]
+    try:
+        built = spec_type.model_validate_json(json.dumps(params["spec"]), strict=True)
+    except ValidationError as e:
+        return [f"spec.{'.'.join(map(str, err['loc']))}: {err['msg']}, got {err.get('input')!r}" for err in e.errors()]
+    here = Path.cwd()
+    os.chdir(ROOT)  # a relative config path is read from where the worker runs the flow
+    try:
+        module.check_spec(built)
+    except (ValueError, KeyError, OSError) as e:  # ConfigError, an unknown preset, a missing file
+        return [str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)]
+    finally:
+        os.chdir(here)
+    return []
+
+
 def build_parser(prog: str | None = None, name_default: str | None = None) -> argparse.ArgumentParser:
     known = sorted(deployments())
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -116,13 +153,9 @@ def main(argv: list[str] | None = None, deployment: str | None = None, prog: str
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
     remote = flow.from_source(source=str(ROOT), entrypoint=spec["entrypoint"])
-    # As a run of it would: a typo fails here, naming the field, not at 02:00. A deployment given no
-    # parameters (train-one) takes every one from the run that submits it: nothing to check here.
-    try:
-        if params:
-            remote.validate_parameters(params)
-    except Exception as e:  # noqa: BLE001  (Prefect's ParameterTypeError carries pydantic's message)
-        print(f"{spec['name']}: parameters do not fit the flow: {e}", file=sys.stderr)
+    problems = parameter_problems(spec["entrypoint"], params)
+    if problems:
+        print("\n".join(f"{spec['name']}: {p}" for p in problems), file=sys.stderr)
         return 2
     deployment_id = remote.deploy(
         name=name,

@@ -3,7 +3,7 @@
 A :class:`LaunchSpec` says how a command runs: ``local`` (in-process, no launcher: what the
 flows do by default), ``torchrun`` (``python -m torch.distributed.run``, one launcher per node)
 or ``deepspeed`` (the DeepSpeed launcher: a hostfile, ssh/pdsh to the other nodes). :func:`launch`
-runs a ``python`` argument list (``["-m", "a3po.cli", "train", ...]`` or ``["script.py", ...]``)
+runs a ``python`` argument list (``["-m", "a3po.training.command", ...]`` or ``["script.py", ...]``)
 under it and
 
 - streams every output line of every rank to ``on_line(rank, text)`` as it comes (torchrun:

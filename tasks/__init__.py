@@ -14,7 +14,7 @@ comparison's summary, the parity and claims rules.
 - ``tasks.data``       ``prepare_dataset``: validated train / held-out JSONL, cached by content
 - ``tasks.arms``       an arm of a comparison (:class:`~tasks.arms.Arm`: variant, OPPO mode, placement)
 - ``tasks.training``   ``warm_start`` (cached) and ``train_arm`` (resumes; safe to retry), in the flow's process
-- ``tasks.launched``   the same arm trained by launched ranks (``python -m a3po.cli train`` under torchrun / DeepSpeed)
+- ``tasks.launched``   the same arm trained by launched ranks (``python -m a3po.training.command`` under torchrun / DeepSpeed)
 - ``tasks.child_run``  the MLflow child run of one arm x seed: opened (or reused on retry), finished, failed
 - ``tasks.completions`` the run folder's completion tables as MLflow tables (``log_table``)
 - ``tasks.evaluation`` ``evaluate_checkpoint``: in-domain held-out + GSM8K / MATH500 / AIME24

@@ -20,11 +20,12 @@ from a3po.config import TrainConfig, config_to_dict
 from a3po.devices import machine_precision, resolve_device
 from a3po.storage.checkpoint import atomic_write_text
 from a3po.training.inputs import input_hashes
+from a3po.training.records import HISTORY_FILE, history_text
 from infra.launch import LaunchSpec
 from tasks.actions import log_action_table
 from tasks.arms import Arm
 from tasks.completions import log_completion_tables
-from tasks.summary import final_reward, read_history
+from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
     TrackingRef,
@@ -151,34 +152,11 @@ def mark_failed_quietly(shipper: MlflowMetricLogger, client, run_id: str, log) -
         log.warning(f"could not mark MLflow run {run_id} FAILED ({type(e).__name__}); the next run of this folder marks it KILLED")
 
 
-# What a reused run's record is read from result.json (a3po.training.loop.TrainResult.record).
-RECORD_FIELDS = ("variant", "seed", "warmstart_acc", "final_acc", "steps", "wall_s")
-
-
-def finished_record(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
-    """``(result.json, history)`` of a run this task finished earlier, or None. A finished run
-    has its ``result.json`` (written by the library after its final weights), its
-    ``history.jsonl`` (written by the task after it) and its ``final/`` folder, the history as long
-    as the result's steps. Anything else (a run cut short between the two files, a result that
-    does not parse) is not reused: it resumes from its checkpoints, or is refused when it has none
-    (:func:`a3po.training.run.refuse_finished_without_checkpoints`)."""
-    result, history = run_dir / "result.json", run_dir / "history.jsonl"
-    if not (result.is_file() and history.is_file() and (run_dir / "final").is_dir()):
-        return None
-    try:
-        summary = json.loads(result.read_text())
-        rows = read_history(history)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or any(k not in summary for k in RECORD_FIELDS) or summary["steps"] != len(rows):
-        return None
-    return summary, rows
-
-
 def write_history(run_dir: Path, history: list[dict[str, float]]) -> Path:
-    """``<run_dir>/history.jsonl``, one line per step ``{"step", **metrics}``, written atomically."""
-    path = run_dir / "history.jsonl"
-    atomic_write_text(path, "".join(json.dumps({"step": i + 1, **h}) + "\n" for i, h in enumerate(history)))
+    """``<run_dir>/history.jsonl``, one line per step ``{"step", **metrics}``, written atomically
+    (the text whose digest a finished run's record holds: a3po.training.records)."""
+    path = run_dir / HISTORY_FILE
+    atomic_write_text(path, history_text(history))
     return path
 
 

@@ -175,6 +175,9 @@ def _iw_extremes(rows: Rows, target: float | None) -> Measurement:
     return ratio
 
 
+PARITY_SHORTFALL = 0.05  # the shortfall the per-seed reward-parity rule looks for (its threshold, -0.05)
+
+
 def _reward_gap(rows: Rows, target: float | None) -> Measurement:
     ll, rc = per_seed(rows, "loglinear", "final_reward"), per_seed(rows, "recompute", "final_reward")
     if ll is None or rc is None:
@@ -182,6 +185,14 @@ def _reward_gap(rows: Rows, target: float | None) -> Measurement:
     seeds = sorted(set(ll) & set(rc))
     if not seeds:
         return NotMeasurable("no seed shared by loglinear and recompute")
+    # A shortfall can only be seen where the reference learned at least that much: between arms whose
+    # reward did not move, "no shortfall" is what any candidate, broken or not, would show.
+    gains = [g for g in (per_seed(rows, "recompute", "reward_gain") or {}).values() if g is not None]
+    moved = _mean(gains) if gains else 0.0
+    if moved < PARITY_SHORTFALL:
+        return NotMeasurable(f"recompute's reward moved {moved:+.3f} from its first steps (mean over seeds), less than "
+                             f"the {PARITY_SHORTFALL:g} shortfall the rule looks for: parity between arms that did not "
+                             "learn is no evidence of parity")
     return Measured({s: ll[s] - rc[s] for s in seeds},
                     f"final reward: loglinear {_mean([ll[s] for s in seeds]):.3f}, recompute {_mean([rc[s] for s in seeds]):.3f} (means over seeds)")
 

@@ -33,7 +33,7 @@ class LaunchRecord:
 @task(cache_policy=NO_CACHE, task_run_name="launch-{spec.mode.value}")
 def launch_ranks(spec: LaunchSpec, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
                  rank_log_dir: str | None = None) -> LaunchRecord:
-    """Run ``python <argv>`` (``["-m", "a3po.cli", "train", ...]``) as the ranks of ``spec``."""
+    """Run ``python <argv>`` (``["-m", "a3po.training.command", ...]``) as the ranks of ``spec``."""
     log = run_logger()
 
     def on_line(rank: int | None, text: str) -> None:

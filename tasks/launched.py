@@ -1,4 +1,4 @@
-"""An arm x seed trained by launched ranks (``python -m a3po.cli train`` under torchrun or
+"""An arm x seed trained by launched ranks (``python -m a3po.training.command`` under torchrun or
 DeepSpeed) instead of in the flow's process: how the launch is chosen and checked against the
 config (:func:`launch_for_config`, :func:`arm_launch`), what the ranks are given (the config YAML,
 the flow's warm start, the command line: :func:`prepare_launched_run`, :func:`launched_argv`) and
@@ -37,7 +37,7 @@ def cli_run_dir(run_dir: str | Path, cfg: TrainConfig) -> Path:
 def launched_argv(cfg: TrainConfig, run_dir: str | Path) -> list[str]:
     rd = Path(run_dir)
     # --variant always: the CLI's default would override the config's variant.
-    return ["-m", "a3po.cli", "train", "--config", str(rd / "config.yaml"), "--variant", cfg.rl.variant.value,
+    return ["-m", "a3po.training.command", "--config", str(rd / "config.yaml"), "--variant", cfg.rl.variant.value,
             "--seed", str(cfg.rl.seed), "--output-dir", str(rd), "--no-progress"]
 
 
@@ -165,7 +165,7 @@ def mark_run_failed(tracking: TrackingRef, run_id: str) -> None:
 
 def train_launched(cfg: TrainConfig, run_dir: str, warmstart: WarmStart, tracking: TrackingRef | None, spec: LaunchSpec) -> RunRecord:
     """The launched counterpart of :func:`tasks.training.train_arm` (called from a flow): config YAML ->
-    ``launch_ranks`` running ``python -m a3po.cli train`` -> the CLI's results -> the child run.
+    ``launch_ranks`` running ``python -m a3po.training.command`` -> the CLI's results -> the child run.
     Re-running resumes (the CLI resumes from its checkpoints in the same run dir)."""
     topology = run_topology(cfg, spec)
     run_id = prepare_launched_run(cfg, run_dir, warmstart, tracking, topology)

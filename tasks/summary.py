@@ -71,6 +71,14 @@ def final_reward(history: Sequence[dict[str, float]], smooth_frac: float = SMOOT
     return smooth(rewards, window(len(rewards), smooth_frac))[-1] if rewards else float("nan")
 
 
+def start_reward(history: Sequence[dict[str, float]], smooth_frac: float = SMOOTH_FRAC) -> float:
+    """The mean training reward over the first ``smooth_frac`` of steps: where a run started, on the
+    same window as :func:`final_reward`, so ``final - start`` is how far its reward moved."""
+    rewards = [h["reward/mean"] for h in history]
+    w = window(len(rewards), smooth_frac)
+    return sum(rewards[:w]) / w if rewards else float("nan")
+
+
 def time_to_target(history: Sequence[dict[str, float]], target: float, smooth_frac: float = SMOOTH_FRAC) -> float | None:
     rewards = [h["reward/mean"] for h in history]
     for h, r in zip(history, smooth(rewards, window(len(rewards), smooth_frac)), strict=True):
@@ -114,8 +122,10 @@ def run_figures(history: Sequence[dict[str, float]], target: float | None, smoot
     mean step time, mean proximal log-prob time per step (``prox/time_s``), stability figures
     (:data:`STABILITY_FIGURES`; None when the history lacks the metric)."""
     n = len(history)
+    final = final_reward(history, smooth_frac)
     figs: dict[str, float | None] = {
-        "final_reward": final_reward(history, smooth_frac),
+        "final_reward": final,
+        "reward_gain": final - start_reward(history, smooth_frac),
         "time_to_target_s": time_to_target(history, target, smooth_frac) if target is not None else None,
         "mean_step_time_s": sum(x["perf/step_time_s"] + x.get("perf/wait_time_s", 0.0) for x in history) / n,
         "prox_time_s": sum(x.get("prox/time_s", 0.0) for x in history) / n,

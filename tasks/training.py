@@ -8,7 +8,9 @@ default 'deterministic' schedule, continues exactly as an uninterrupted run woul
 directory is named by variant, seed and a hash of the config, so a re-run with the same
 config resumes and a changed config starts afresh instead of resuming someone else's run. A run
 that finished (its ``result.json``, ``history.jsonl`` and ``final/``) is not trained again: its
-record is reused, so a re-run still judges it after its checkpoints were deleted to save disk.
+record is reused, so a re-run still judges it after its checkpoints were deleted to save disk,
+once it has passed the checks of :mod:`a3po.training.records` (the digests written with it, its
+seed, variant and final figure); a record that fails them is named and not reused.
 
 MLflow: one child run per arm x seed under the flow's parent run (:mod:`tasks.child_run`). A new
 flow run back-fills the steps restored from the checkpoint into its new child run, so its record
@@ -36,12 +38,12 @@ from a3po.storage.checkpoint import DiskFullError
 from a3po.storage.runlock import RunFolderBusy, hold_run_folder
 from a3po.training.actions import FILE as ACTIONS_FILE
 from a3po.training.metrics import FanoutLogger, JsonlLogger
+from a3po.training.records import RecordRefused, finished_record
 from a3po.training.run import prepare_warmstart, warmstart_folder, warmstart_problem
 from a3po.training.run import train_variant as library_train_variant
 from tasks.arms import Arm
 from tasks.child_run import (
     config_hash,
-    finished_record,
     log_actions,
     log_final,
     log_tables,
@@ -153,7 +155,11 @@ def _train_locked(
             acc = f"  held-out acc {m['eval/heldout_acc']:.3f}" if "eval/heldout_acc" in m else ""
             log.info(f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}")
 
-    finished = finished_record(rd)
+    try:
+        finished = finished_record(rd, cfg.rl.variant.value, cfg.rl.seed, cfg.rl.steps)
+    except RecordRefused as e:  # not what the run wrote: its checkpoints rewrite it (or, without any, it is refused)
+        log.warning(f"{name}: finished earlier, but its record is not reused: {e}; it resumes from its checkpoints")
+        finished = None
     if finished is not None:  # its checkpoints may be gone (dropped for disk): nothing to train, its record reused
         return _reuse_finished(cfg, rd, *finished, warmstart, tracking, tracking_drain_s, log, name)
     local = JsonlLogger(rd / "metrics.jsonl")  # first: survives any tracking outage
@@ -225,7 +231,7 @@ def _reuse_finished(
     cfg: TrainConfig, rd: Path, summary: dict[str, Any], history: list[dict[str, float]], warmstart: WarmStart,
     tracking: TrackingRef | None, tracking_drain_s: float, log, name: str,
 ) -> RunRecord:
-    """The record of a run finished earlier (:func:`tasks.child_run.finished_record`), in a child
+    """The record of a run finished earlier (:func:`a3po.training.records.finished_record`), in a child
     run of this flow run with every step, as a run resumed at its last step would have: a re-run
     of a comparison whose checkpoints were deleted to save disk judges the runs it has."""
     log.info(f"{name}: finished earlier ({rd / 'result.json'}): its record reused, nothing trained")

@@ -1,6 +1,7 @@
-"""The ``a3po`` tool: its subcommands listed by ``a3po --help`` without importing the stack, the
-flows' own options under ``a3po compare`` / ``a3po nightly``, ``a3po bench`` finding and running
-benchmark modules by name, ``a3po serve`` running the scripts of ``infra/``. Seconds.
+"""The ``a3po`` tool (the ``cli`` package, ``python -m cli``): its subcommands listed by ``a3po
+--help`` without importing the stack, ``a3po train`` as the library's ``a3po.training.command``,
+the flows' own options under ``a3po compare`` / ``a3po nightly``, ``a3po bench`` finding and
+running benchmark modules by name, ``a3po serve`` running the scripts of ``infra/``. Seconds.
 
 The servers started by ``a3po serve`` are stand-in scripts here (PostgreSQL and two servers take
 minutes); the real scripts are exercised by ``infra/ci_team_mode.sh``. What is tested is the
@@ -17,19 +18,20 @@ from pathlib import Path
 import pytest
 
 import bench
-from a3po.cli import main
+import cli.dispatch
+from cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["train", "eval", "compare", "nightly", "claims", "bench", "serve"]
 
 
 def _a3po(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "a3po.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
-    probe = ("import sys; from a3po.cli import main; main(['--help']); "
+    probe = ("import sys; from cli import main; main(['--help']); "
              "print(sorted(m for m in ('prefect', 'mlflow', 'torch', 'flows') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -41,10 +43,20 @@ def test_help_lists_every_subcommand_in_one_line_without_importing_the_stack():
 
 
 def test_module_docstring_lists_every_subcommand_in_order():
-    import a3po.cli
+    listed = [line.split()[1] for line in cli.dispatch.__doc__.splitlines() if line.startswith("    a3po ")]
+    assert listed == list(cli.dispatch.COMMANDS) == SUBCOMMANDS
 
-    listed = [line.split()[1] for line in a3po.cli.__doc__.splitlines() if line.startswith("    a3po ")]
-    assert listed == list(a3po.cli.COMMANDS) == SUBCOMMANDS
+
+def test_train_is_the_librarys_command_under_its_own_name(capsys):
+    # `a3po train ...` and `python -m a3po.training.command ...` (what launched ranks run) are one parser.
+    from a3po.training.command import main as train_main
+
+    for run in (lambda: main(["train", "--help"]), lambda: train_main(["--help"])):
+        with pytest.raises(SystemExit) as e:
+            run()
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: a3po train ") and "--preset" in out and "--no-progress" in out
 
 
 def test_unknown_or_missing_subcommand_exits_2(capsys):
@@ -55,10 +67,8 @@ def test_unknown_or_missing_subcommand_exits_2(capsys):
 
 @pytest.mark.parametrize("command", ["compare", "nightly", "claims", "serve"])
 def test_pipeline_commands_without_the_pipeline_extra_fail_in_one_line_naming_it(command, monkeypatch, capsys):
-    import a3po.cli
-
-    real = a3po.cli.importlib.util.find_spec
-    monkeypatch.setattr(a3po.cli.importlib.util, "find_spec",
+    real = cli.dispatch.importlib.util.find_spec
+    monkeypatch.setattr(cli.dispatch.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("prefect", "mlflow") else real(name, *a))
     assert main([command, "--help"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -67,19 +77,17 @@ def test_pipeline_commands_without_the_pipeline_extra_fail_in_one_line_naming_it
 
 
 def test_a_module_of_an_extra_missing_mid_command_is_named_with_its_extra(monkeypatch, capsys):
-    import a3po.cli
-
     def run(argv):
         raise ModuleNotFoundError("No module named 'lm_eval'", name="lm_eval.tasks")
 
-    monkeypatch.setitem(a3po.cli.COMMANDS, "eval", a3po.cli.Command("stand-in", run))
+    monkeypatch.setitem(cli.dispatch.COMMANDS, "eval", cli.dispatch.Command("stand-in", run))
     assert main(["eval"]) == 2
     assert capsys.readouterr().err.startswith("a3po eval: needs the 'eval' extra (not installed: lm_eval.tasks)")
 
     def broken(argv):  # not a package of an extra: a real bug, with its traceback
         raise ModuleNotFoundError("No module named 'a3po.gone'", name="a3po.gone")
 
-    monkeypatch.setitem(a3po.cli.COMMANDS, "eval", a3po.cli.Command("stand-in", broken))
+    monkeypatch.setitem(cli.dispatch.COMMANDS, "eval", cli.dispatch.Command("stand-in", broken))
     with pytest.raises(ModuleNotFoundError):
         main(["eval"])
 

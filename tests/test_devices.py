@@ -54,7 +54,7 @@ def test_auto_resolves_to_what_is_there_and_cpu_is_cpu():
 def test_cuda_without_cuda_fails_before_any_work(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="device 'cuda' was requested but torch.cuda.is_available\\(\\) is False"):
         resolve_device("cuda")
-    from a3po.cli import main
+    from cli import main
 
     # Checked with the config, before the model is built: one line naming the field, exit 2.
     assert main(["train", "--preset", "micro", "--device", "cuda", "--output-dir", str(tmp_path), "--no-progress"]) == 2
@@ -64,7 +64,7 @@ def test_cuda_without_cuda_fails_before_any_work(tmp_path, capsys):
 
 
 def test_cli_rejects_an_unknown_device(capsys):
-    from a3po.cli import main
+    from cli import main
 
     with pytest.raises(SystemExit):
         main(["train", "--device", "tpu"])

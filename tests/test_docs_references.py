@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 LINK = re.compile(r"\]\(([^)#\s]+)")
-PATH = re.compile(r"(?<![\w/.:-])((?:\.\./)?(?:a3po|tasks|flows|bench|eval|infra|tests|docs|\.ci|img)/[\w./-]*[\w/]"
+PATH = re.compile(r"(?<![\w/.:-])((?:\.\./)?(?:a3po|tasks|flows|bench|eval|infra|cli|tests|docs|\.ci|img)/[\w./-]*[\w/]"
                   r"|[\w-]+\.(?:py|md|sh|yaml|json|toml|png))(?![\w])")
-DOTTED = re.compile(r"(?<![\w./-])((?:a3po|tasks|flows|bench|eval|infra)(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(r"(?<![\w./-])((?:a3po|tasks|flows|bench|eval|infra|cli)(?:\.[A-Za-z_]\w*)+)")
 # Files a run writes or the reader creates, named in the docs but not in the repository.
 NOT_REPO_FILES = {"comparison.md", "claims.md", "parity.md", "pairs.md", "pairs_by_set.md", "stability.png", "reward_curves.png", "script.py",
                   "infra/hostfile"}
@@ -62,7 +62,7 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_every_link_path_and_module_named_in_the_docs_resolves():
-    code = "\n".join(p.read_text(encoding="utf-8") for d in ("a3po", "tasks", "flows", "infra", "eval") for p in (ROOT / d).rglob("*.py"))
+    code = "\n".join(p.read_text(encoding="utf-8") for d in ("a3po", "cli", "tasks", "flows", "infra", "eval") for p in (ROOT / d).rglob("*.py"))
     bad = []
     for doc in DOCS:
         for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):

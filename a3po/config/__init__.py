@@ -2,7 +2,12 @@
 built; derived values (e.g. the effective staleness bound of a variant) are functions, never
 written back into the config.
 
-* :mod:`~a3po.config.schema`   the sections (frozen dataclasses), their ranges and cross-field rules;
+* the sections, frozen dataclasses that check their ranges and cross-field rules when built, one module each:
+  :mod:`~a3po.config.model` (model, LoRA), :mod:`~a3po.config.data` (data, warm start), :mod:`~a3po.config.rl`
+  (rl, with the guard's, staleness control's and rollout correction's rules), :mod:`~a3po.config.ppo`,
+  :mod:`~a3po.config.rollout` (rollout engine, OPPO), :mod:`~a3po.config.distributed`, and
+  :mod:`~a3po.config.train` (:class:`TrainConfig`, the rules across sections, the renamed fields);
+  :mod:`~a3po.config.errors` holds :class:`ConfigError` and the bounds they share;
 * :mod:`~a3po.config.loading`  YAML files, dicts and overrides -> a checked :class:`TrainConfig`;
 * :mod:`~a3po.config.compat`   cache keys and which config changes a checkpoint resumes with;
 * :mod:`~a3po.config.presets`  the built-in configs by name;
@@ -20,6 +25,9 @@ from a3po.config.compat import (
     data_identity,
     warmstart_key,
 )
+from a3po.config.data import ArithmeticDifficulty, DataConfig, WarmStartConfig
+from a3po.config.distributed import DistributedConfig
+from a3po.config.errors import ConfigError
 from a3po.config.loading import (
     config_from_dict,
     config_to_dict,
@@ -28,29 +36,21 @@ from a3po.config.loading import (
     merge_yaml,
     with_overrides,
 )
+from a3po.config.model import LoraConfig, ModelConfig
 from a3po.config.plan import RunPlan
+from a3po.config.ppo import PPOConfig
 from a3po.config.preflight import preflight
 from a3po.config.presets import PRESETS, preset
-from a3po.config.schema import (
-    ArithmeticDifficulty,
-    ConfigError,
-    DataConfig,
-    DistributedConfig,
-    LoraConfig,
-    ModelConfig,
-    OppoConfig,
-    PPOConfig,
+from a3po.config.rl import (
     RLConfig,
-    RolloutConfig,
-    TrainConfig,
     Variant,
-    WarmStartConfig,
     correction_settings,
     effective_max_staleness,
-    mid_batch_updates,
     proximal_method_name,
     staleness_settings,
 )
+from a3po.config.rollout import OppoConfig, RolloutConfig, mid_batch_updates
+from a3po.config.train import TrainConfig
 
 __all__ = [
     "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError",

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from a3po.config.schema import DistributedConfig, OppoConfig
+from a3po.config.distributed import DistributedConfig
+from a3po.config.rollout import OppoConfig
 from a3po.registry import Registry
 
 Placement = Literal["colocated", "disaggregated"]

@@ -9,9 +9,10 @@ import hashlib
 import json
 from typing import Any
 
+from a3po.config.data import ArithmeticDifficulty, DataConfig
 from a3po.config.loading import config_to_dict
 from a3po.config.plan import decoding_dtype
-from a3po.config.schema import RENAMED_FIELDS, ArithmeticDifficulty, DataConfig, TrainConfig
+from a3po.config.train import RENAMED_FIELDS, TrainConfig
 from a3po.devices import machine_precision, resolve_device
 
 # Data fields added after cache keys were first published, with their defaults: left out of the

@@ -1,4 +1,4 @@
-"""Building a checked :class:`~a3po.config.schema.TrainConfig` from YAML files, plain dicts and
+"""Building a checked :class:`~a3po.config.train.TrainConfig` from YAML files, plain dicts and
 overrides: every value's type against the field's annotation (generic over the types, so a new
 field needs no change here), then the sections' own range and cross-field checks; every error
 names the source (file, preset or 'overrides') and the dotted field."""
@@ -18,7 +18,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from a3po.config.schema import RENAMED_FIELDS, ConfigError, TrainConfig
+from a3po.config.errors import ConfigError
+from a3po.config.train import RENAMED_FIELDS, TrainConfig
 
 # A config is a few hundred YAML nodes. Aliases let a few hundred bytes stand for billions
 # ("billion laughs"): nodes are counted as if every alias were expanded, and past this the text

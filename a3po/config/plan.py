@@ -26,7 +26,8 @@ from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import trainer_logp_source
 from a3po.algorithms.staleness import STALENESS_CONTROLS
 from a3po.config.axes import Placement, placement_of
-from a3po.config.schema import TrainConfig, Variant, effective_max_staleness, proximal_method_name
+from a3po.config.rl import Variant, effective_max_staleness, proximal_method_name
+from a3po.config.train import TrainConfig
 from a3po.devices import DType, Precision, resolve_precision
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from a3po.catalog import MODEL_SOURCE_NAMES, ROLLOUT_ENGINE_NAMES
-from a3po.config.schema import ConfigError, TrainConfig
+from a3po.config.errors import ConfigError
+from a3po.config.train import TrainConfig
 
 INSTALL_HINT = "pip install -e '.[distributed]'"
 SUPPORTED_ZERO_STAGES = (1, 2, 3)

@@ -9,6 +9,11 @@ seconds, not a warm start:
   critic-init model folders (``ppo.*_path``), loaded after the warm start;
 * LoRA: ``model.lora.target_modules`` must match linear layers of the model, and ``model.lora.r``
   must not exceed the smaller side of any of them (a rank above it adds parameters, not rank);
+* an exact anchor stays exact: ``rl.proximal: reuse`` (any method that reads the training
+  forward's own log-probs as the proximal policy's) is refused on a model with dropout (its
+  config's ``*dropout*`` / ``*pdrop*`` probabilities, or a dropout module): that forward runs in
+  training mode, so it is a dropped-out forward, not the current policy (as the config refuses
+  it with ``model.lora.dropout``);
 * memory: the biggest tensors a run allocates (the rollout's KV cache, a minibatch's logits, the
   held-out samples, the weights with their optimizer state), estimated from the sizes in the
   config, must fit in the memory of the device that trains. The estimate counts only what a run
@@ -25,7 +30,8 @@ from typing import Sequence
 
 import torch
 
-from a3po.config.schema import ConfigError, TrainConfig
+from a3po.algorithms.proximal import PROXIMAL_METHODS
+from a3po.config import ConfigError, TrainConfig, proximal_method_name
 from a3po.devices import resolve_device
 from a3po.models.factory import TINY_ARCHS, ModelFolderError, _source, build_tiny_model, check_model_folder
 from a3po.models.sources import MODEL_SOURCES
@@ -84,6 +90,38 @@ def check_lora(cfg: TrainConfig, model: torch.nn.Module) -> None:
     if lora.r > min(fan_in, fan_out):
         raise ConfigError(f"model.lora.r {lora.r} exceeds min(in, out) = {min(fan_in, fan_out)} of {name} "
                           f"({fan_in} -> {fan_out}): a rank above it adds parameters, not rank")
+
+
+def model_dropouts(config, model: torch.nn.Module) -> dict[str, float]:
+    """``{name: p}`` of every dropout probability above 0 of a model: its config's fields named
+    like one (``attention_dropout``, ``resid_pdrop``, ``hidden_dropout_prob``; nested configs
+    too) and its dropout modules (by path), which a forward in training mode applies."""
+    found: dict[str, float] = {}
+    text = getattr(config, "text_config", None)
+    for prefix, cfg in (("", config), ("text_config.", text)):
+        for key, value in (vars(cfg) if cfg is not None else {}).items():
+            probability = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ("dropout" in key or "pdrop" in key) and probability and value > 0:
+                found[f"{prefix}{key}"] = float(value)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.setdefault(name, float(module.p))
+    return found
+
+
+def check_exact_anchor(cfg: TrainConfig, config, model: torch.nn.Module) -> None:
+    """ConfigError when ``rl.proximal`` reads the training forward's log-probs as the proximal
+    policy's (``single_update`` methods) on a model whose training forward drops units."""
+    method = proximal_method_name(cfg.rl)
+    if not PROXIMAL_METHODS.get(method).single_update:
+        return
+    drops = model_dropouts(config, model)
+    if drops:
+        listed = ", ".join(f"{k} {v:g}" for k, v in list(drops.items())[:4]) + (" ..." if len(drops) > 4 else "")
+        raise ConfigError(f"rl.proximal {method!r} on model {cfg.model.name!r}, which has dropout ({listed}): the "
+                          "training forward it anchors on runs in training mode, so its log-probs are a dropped-out "
+                          "forward's, not the proximal policy's; use a copy of the model with those set to 0, or "
+                          "rl.proximal recompute")
 
 
 def memory_terms(cfg: TrainConfig, config, model: torch.nn.Module) -> list[MemoryTerm]:
@@ -164,5 +202,6 @@ def check_model(cfg: TrainConfig, words: Sequence[str] | None = None) -> TrainCo
             except ModelFolderError as e:
                 raise ConfigError(f"{field_name}: {e}") from None
     check_lora(cfg, model)
+    check_exact_anchor(cfg, config, model)
     check_memory(cfg, config, model)
     return cfg

@@ -5,12 +5,19 @@ folder, fsync, ``os.replace`` (atomic on POSIX), fsync the folder. Folders likew
 Temporary names carry the writer's pid (``.<name>.tmp-<pid>-<random>``): a writer killed before
 it could clean up (SIGKILL, power loss) leaves one behind, and the next write of the same name
 removes those whose process is gone (:func:`sweep_stale`). A SIGTERM during a folder's build
-removes the folder before the signal acts (:func:`removed_on_sigterm`)."""
+removes the folder before the signal acts (:func:`removed_on_sigterm`).
+
+A write that fails for want of room (:func:`no_room`: a full disk, the quota, a file larger than
+the process's file-size limit or the file system's, however the writer wraps the error) frees its
+partial output and raises :class:`DiskFullError` in one line naming the file and the limit: a
+retry cannot help until room is made, so callers do not retry it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import resource
 import shutil
 import signal
 import tempfile
@@ -20,6 +27,60 @@ from pathlib import Path
 from typing import Iterator
 
 _TMP = ".tmp-"
+
+
+class DiskFullError(OSError):
+    """A file could not be written for want of room: no space left (ENOSPC), the disk quota
+    (EDQUOT), or a file over the largest size allowed (EFBIG: ``ulimit -f``, as batch schedulers
+    set it, or the file system's own, FAT32's 4 GiB). The message names the file, what was written
+    and the limit; retrying cannot help until room is made. Whatever was committed before is whole."""
+
+
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+def no_room(e: BaseException | None) -> int | None:
+    """The errno (ENOSPC, EDQUOT or EFBIG) of ``e`` or of an error it was raised from, or None:
+    writers wrap it (torch.save reports it as a RuntimeError of its zip writer, raised while
+    handling the OSError; safetensors as a SafetensorError whose text alone names the OS error)."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in codes:
+            return e.errno
+        # A writer in another language keeps only the text: safetensors' "I/O error: ... (os error 27)"
+        said = _OS_ERROR_TEXT.search(str(e)) if not isinstance(e, OSError) else None
+        if said and int(said.group(1) or said.group(2)) in codes:
+            return int(said.group(1) or said.group(2))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free_mib(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB"
+    except OSError:
+        return "?"
+
+
+def room_limit(code: int, folder: Path) -> str:
+    """The limit that error ``code`` (of :func:`no_room`) hit, in words, with its figure."""
+    if code == errno.EFBIG:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,} bytes"
+        return (f"a file larger than allowed (this process's file-size limit, ulimit -f: {limit}; else the file "
+                "system's largest file)")
+    if code == errno.EDQUOT:
+        return "the disk quota reached"
+    return f"no space left on the device ({_free_mib(folder)} free in {folder})"
+
+
+def no_room_error(e: BaseException, path: Path, written: int) -> DiskFullError:
+    """The one-line :class:`DiskFullError` of a write of ``path`` that failed with ``e``."""
+    code = no_room(e) or errno.ENOSPC
+    return DiskFullError(code, f"no room to write {path} ({written / 2**20:,.1f} MiB written): "
+                               f"{room_limit(code, Path(path).parent)}; nothing partial is left behind")
 
 
 def _tmp_prefix(name: str) -> str:
@@ -115,9 +176,12 @@ def atomic_write_bytes(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if no_room(e) is not None:
+            raise no_room_error(e, path, written) from e
         raise
 
 
@@ -152,6 +216,9 @@ def save_pretrained_atomic(model, tokenizer, out_dir: str | Path) -> Path:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         return replace_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
         shutil.rmtree(tmp, ignore_errors=True)
+        if no_room(e) is not None:
+            raise no_room_error(e, out_dir, written) from e
         raise

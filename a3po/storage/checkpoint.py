@@ -29,7 +29,6 @@ then one process calls :func:`commit_step` with every rank's ``{file name: sha25
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -44,10 +43,13 @@ from typing import Any, Callable
 import torch
 
 from a3po.storage.atomic import (  # noqa: F401  (re-exported)
+    DiskFullError,
     atomic_write_bytes,
     atomic_write_text,
     fsync_dir,
+    no_room,
     replace_dir,
+    room_limit,
 )
 from a3po.storage.content import sha256_file
 
@@ -68,34 +70,6 @@ class CheckpointError(Exception):
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoints exist but none is intact: resuming is impossible and starting over would
     overwrite them, so the run stops."""
-
-
-class DiskFullError(OSError):
-    """A checkpoint file could not be written for want of space (ENOSPC, or the quota: EDQUOT). The
-    message names the folder, what is free there and what to do; retrying cannot help until space
-    is freed. The checkpoints already committed are whole."""
-
-
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _disk_full(e: BaseException | None) -> bool:
-    """Whether ``e`` or an error it was raised from is a full disk (torch.save reports one as a
-    RuntimeError of its zip writer, raised while handling the OSError)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _DISK_FULL:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 # --- writing: the pieces --------------------------------------------------------------------
@@ -133,18 +107,18 @@ def _write_file(pending: Path, name: str, write) -> str:
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:
-        if not _disk_full(e):
+        code = no_room(e)
+        if code is None:
             raise
         written = path.stat().st_size if path.exists() else 0
         path.unlink(missing_ok=True)  # the partial file only holds space
-        free = _free_bytes(path.parent)
         raise DiskFullError(
-            e.errno if isinstance(e, OSError) else errno.ENOSPC,
-            f"no space left writing checkpoint file {path} ({written / 2**20:,.0f} MiB written, "
-            f"{'?' if free is None else f'{free / 2**20:,.0f} MiB'} free there). The checkpoints already in "
-            f"{path.parent.parent} are whole and a re-run resumes from the newest. Free space first: fewer kept "
-            f"checkpoints (rl.keep_checkpoints), or delete the checkpoints of finished runs (a flow re-run reuses "
-            f"their result.json)") from e
+            code,
+            f"no room to write checkpoint file {path} ({written / 2**20:,.0f} MiB written): "
+            f"{room_limit(code, path.parent)}. The checkpoints already in {path.parent.parent} are whole and a "
+            f"re-run resumes from the newest. Make room first: fewer kept checkpoints (rl.keep_checkpoints), "
+            f"delete the checkpoints of finished runs (a flow re-run reuses their result.json), or raise the "
+            f"limit") from e
     return sha256_file(path)
 
 

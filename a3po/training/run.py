@@ -45,6 +45,7 @@ from a3po.training.inputs import input_hashes
 from a3po.training.loop import TrainResult, checked_rollout_inputs, rl_train
 from a3po.training.metrics import MetricLogger
 from a3po.training.ppo_parts import build_ppo_parts
+from a3po.training.records import FINAL_DIR, RECORD_FILE, seal
 from a3po.training.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,9 @@ def train_variant(
         model = plain_model(model, result.final_weights)
     elif is_lora(model):  # the adapters merged into the base: a plain folder of the base's class
         model = merged_model(model)
-    save_pretrained_atomic(model, tokenizer, run_dir / "final")
-    # Written last, whole or not at all: a flow's re-run takes a finished run's record from it.
-    atomic_write_text(run_dir / "result.json", json.dumps(result.record()))
+    save_pretrained_atomic(model, tokenizer, run_dir / FINAL_DIR)
+    # Written last, whole or not at all, with the digests a flow's re-run checks before it takes the
+    # finished run's record from it (a3po.training.records).
+    record = seal(result.record(), result.history, run_dir / FINAL_DIR)
+    atomic_write_text(run_dir / RECORD_FILE, json.dumps(record))
     return result

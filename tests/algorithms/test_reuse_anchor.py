@@ -96,3 +96,48 @@ def test_the_plan_of_a_reuse_run_runs_no_proximal_forward():
     assert plan.proximal == "reuse" and plan.proximal_forward is False and plan.rescore is False
     recompute = RunPlan.of(config_from_dict({"rl": {"variant": "recompute", "minibatches": 1}}), cores=1)
     assert recompute.proximal_forward is True
+
+
+def _model_folder(tmp_path, name, model):
+    folder = tmp_path / name
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def dropout_folders(tmp_path_factory):
+    """Model folders whose training forward drops units: a Qwen2-shaped one with attention dropout
+    0.5, GPT-2 with its own default dropouts (0.1 on residuals, embeddings and attention), and
+    the Qwen2-shaped one with none."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tmp = tmp_path_factory.mktemp("dropout")
+    model, _ = build_tiny_model("micro", WORDS, seed=0)
+    none = _model_folder(tmp, "none", model)
+    model.config.attention_dropout = 0.5
+    attention = _model_folder(tmp, "attention", model)
+    gpt2 = _model_folder(tmp, "gpt2", GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(WORDS) + 8)))
+    return {"none": none, "attention": attention, "gpt2": gpt2}
+
+
+@pytest.mark.parametrize("folder,words", [("attention", "attention_dropout 0.5"), ("gpt2", "resid_pdrop 0.1")])
+def test_reuse_is_refused_on_a_model_with_dropout_naming_it(dropout_folders, folder, words):
+    """reuse anchors on the training forward, run in training mode: with the model's own dropout
+    that is a dropped-out forward (behav_iw_p99 1.07 at step 1 on-policy, where exact reads 1.0)."""
+    from a3po.config import ConfigError
+    from a3po.models.checks import check_model
+
+    reuse = config_from_dict({"model": {"name": dropout_folders[folder]}, "rl": {"proximal": "reuse", "minibatches": 1}})
+    with pytest.raises(ConfigError, match=rf"rl.proximal 'reuse' on model .*which has dropout \(.*{words}.*rl.proximal recompute"):
+        check_model(reuse, WORDS)
+    # the approximate and recomputed anchors do not read the training forward: accepted
+    for proximal in ("recompute", "loglinear"):
+        check_model(config_from_dict({"model": {"name": dropout_folders[folder]}, "rl": {"proximal": proximal}}), WORDS)
+
+
+def test_reuse_is_accepted_on_a_model_without_dropout(dropout_folders):
+    from a3po.models.checks import check_model, model_config, model_dropouts
+
+    cfg = config_from_dict({"model": {"name": dropout_folders["none"]}, "rl": {"proximal": "reuse", "minibatches": 1}})
+    assert check_model(cfg, WORDS) is cfg
+    assert model_dropouts(*model_config(dropout_folders["none"], WORDS)) == {}

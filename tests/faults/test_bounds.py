@@ -27,7 +27,7 @@ GIB = 2**30
 
 def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
     """``a3po <argv>`` in this process: its exit status and the lines of stderr that are not warnings."""
-    from a3po.cli import main
+    from cli import main
 
     rc = main(list(argv))
     err = capsys.readouterr().err
@@ -326,7 +326,7 @@ def test_the_folders_own_code_never_runs_whatever_is_on_stdin(tmp_path):
     folder = _code_folder(tmp_path / "evil", marker)
     # Without the refusal transformers would ask on stdin and run evil.py on 'y' (tested below).
     proc = subprocess.run(
-        [sys.executable, "-m", "a3po.cli", "eval", "--model", str(folder), "--benchmarks", "arith", "--limit", "1"],
+        [sys.executable, "-m", "cli", "eval", "--model", str(folder), "--benchmarks", "arith", "--limit", "1"],
         cwd=REPO,
         input="y\n" * 100,
         capture_output=True,

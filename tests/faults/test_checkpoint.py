@@ -1,5 +1,5 @@
 """Faults at resume, on the micro preset through the library entry point
-(``a3po.training.run.train_variant``) and the real CLI (``python -m a3po.cli train``):
+(``a3po.training.run.train_variant``) and the real command (``python -m a3po.training.command``):
 
 - a crafted pickle in place of a checkpoint file never runs (its marker file never appears);
 - flipped bytes, a truncated file, a missing manifest are named and the run falls back to the
@@ -28,12 +28,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a3po.cli import main as cli_main
 from a3po.config import preset, with_overrides
 from a3po.storage.checkpoint import CheckpointError, NoIntactCheckpoint, load_checkpoint, save_checkpoint
 from a3po.storage.runlock import LOCK_NAME
 from a3po.training.metrics import JsonlLogger, read_metrics_jsonl
 from a3po.training.run import prepare_warmstart, train_variant
+from cli import main as cli_main
 from tests.support.resume import Crash, assert_same_final_state, crash_after, without_timing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,7 +267,7 @@ def test_sigkill_and_rerun_leave_each_step_once_in_metrics_jsonl(runs, tmp_path)
     cfg_file = tmp_path / "rl.yaml"
     cfg_file.write_text("rl:\n  checkpoint_every: 2\n  eval_every: 1000\n  keep_checkpoints: 2\ntorch_threads: 1\n")
     steps = 40
-    cmd = [sys.executable, "-m", "a3po.cli", "train", "--variant", "loglinear", "--preset", "micro", "--config", str(cfg_file),
+    cmd = [sys.executable, "-m", "a3po.training.command", "--variant", "loglinear", "--preset", "micro", "--config", str(cfg_file),
            "--steps", str(steps), "--output-dir", str(out), "--no-progress"]
     run = out / "loglinear-seed0"
     metrics = run / "metrics.jsonl"
@@ -379,7 +379,8 @@ def test_a_full_disk_at_a_checkpoint_is_named_frees_its_partial_step_and_is_not_
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4000") from None
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(DiskFullError, match=r"no space left writing checkpoint file \S*policy\.pt .* free there.*rl\.keep_checkpoints") as err:
+    words = r"no room to write checkpoint file \S*policy\.pt .*: no space left on the device \(.* free in .*rl\.keep_checkpoints"
+    with pytest.raises(DiskFullError, match=words) as err:
         save_checkpoint(tmp_path, 2, state(2))
     assert err.value.errno == errno.ENOSPC and isinstance(err.value.__cause__, RuntimeError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]  # no half-written step left
@@ -394,6 +395,48 @@ def test_a_full_disk_at_a_checkpoint_is_named_frees_its_partial_step_and_is_not_
     with pytest.raises(RuntimeError, match="something else") as err:
         save_checkpoint(tmp_path, 3, state(3))
     assert not isinstance(err.value, DiskFullError)
+
+
+NO_ROOM_WRITES = {
+    # a checkpoint: torch.save wraps the EFBIG in its zip writer's RuntimeError
+    "checkpoint": "from a3po.storage.checkpoint import save_checkpoint\n"
+                  "save_checkpoint(out / 'ckpt', 2, {'step': 2, 'policy': {'w': torch.zeros(1 << 20)}})",
+    # the final model folder (safetensors' writer), and a record's text
+    "model folder": "from a3po.storage.atomic import save_pretrained_atomic\n"
+                    "from a3po.models.factory import build_tiny_model\nfrom a3po.data.arithmetic import WORDS\n"
+                    "m, t = build_tiny_model('tiny', WORDS, seed=0)\nsave_pretrained_atomic(m, t, out / 'final')",
+    "text file": "from a3po.storage.atomic import atomic_write_text\natomic_write_text(out / 'result.json', 'x' * (1 << 20))",
+}
+
+
+@pytest.mark.parametrize("what", sorted(NO_ROOM_WRITES))
+def test_a_file_size_limit_is_no_room_named_with_its_limit_and_leaves_nothing_partial(tmp_path, what):
+    """``ulimit -f`` (as batch schedulers set it; FAT32's 4 GiB likewise) fails a write with EFBIG,
+    not ENOSPC: each writer of the run says so in one line naming the file and the limit, as a
+    DiskFullError (which the flow's task does not retry), and frees what it had written."""
+    import resource
+    import subprocess
+    import sys
+    import textwrap
+
+    script = "\n".join([
+        "import sys, torch", "from pathlib import Path", "from a3po.storage.atomic import DiskFullError",
+        "out = Path(sys.argv[1])", "try:", textwrap.indent(NO_ROOM_WRITES[what], "    "),
+        "except DiskFullError as e:", "    print(f'DiskFullError errno={e.errno}: {e}')",
+    ])
+    limit = 300_000  # bytes: more than the script's imports write, less than what it saves
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], preexec_fn=cap, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("DiskFullError errno=27: [Errno 27] no room to write "), line
+    assert "this process's file-size limit, ulimit -f: 300,000 bytes" in line and "\n" not in line
+    left = [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert left == [], left  # the partial file, temporary folder or pending step is gone
 
 
 def test_fields_added_since_a_checkpoint_count_as_their_defaults():

@@ -333,7 +333,7 @@ def test_preflight_reads_the_deepspeed_json_naming_the_file(monkeypatch, tmp_pat
 def test_config_imports_nothing_above_it():
     # Not even inside a function or under TYPE_CHECKING: the names config checks live in a3po.catalog.
     above = ("a3po.rollout", "a3po.models", "a3po.parallel", "a3po.data", "a3po.producer", "a3po.placement", "a3po.oppo",
-             "a3po.training", "a3po.grading", "a3po.storage", "a3po.cli")
+             "a3po.training", "a3po.grading", "a3po.storage")
     found = []
     for path in [*sorted((REPO_ROOT / "a3po/config").glob("*.py")), REPO_ROOT / "a3po/catalog.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -387,7 +387,7 @@ def test_a_deepspeed_checkpoint_under_another_world_size_is_a_checkpoint_error()
 
 def _train_cli(config: Path, out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true"}
-    cmd = [sys.executable, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config), "--output-dir", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "a3po.training.command", "--preset", "micro", "--config", str(config), "--output-dir", str(out), "--no-progress"]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -67,8 +67,8 @@ def test_rl_run_whose_worker_cannot_start_exits_non_zero_naming_the_reason(tmp_p
     driver = (
         "import sys; from a3po import grading; "
         f"grading.set_config(grading.GradingConfig(worker_python={str(missing)!r})); "
-        "from a3po.cli import main; "
-        f"sys.exit(main(['train', '--preset', 'micro', '--config', {str(tmp_path / 'cfg.yaml')!r}, '--steps', '2', "
+        "from a3po.training.command import main; "
+        f"sys.exit(main(['--preset', 'micro', '--config', {str(tmp_path / 'cfg.yaml')!r}, '--steps', '2', "
         f"'--no-progress', '--output-dir', {str(tmp_path / 'out')!r}]))"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

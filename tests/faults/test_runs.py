@@ -150,7 +150,7 @@ def test_stale_runs_are_marked_killed_only_when_their_folder_is_free(tmp_path):
 
 
 def _train_cmd(out: Path, steps: int, seed: int) -> list[str]:
-    return [PY, "-m", "a3po.cli", "train", "--preset", "micro", "--output-dir", str(out), "--steps", str(steps),
+    return [PY, "-m", "a3po.training.command", "--preset", "micro", "--output-dir", str(out), "--steps", str(steps),
             "--seed", str(seed), "--no-progress"]
 
 
@@ -189,7 +189,8 @@ def test_two_a3po_trains_on_one_folder(tmp_path):
     _wait_for("loglinear-seed0/checkpoints/latest", out, first)
     second = subprocess.run(_train_cmd(out, 400, 0), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert first.poll() is None, "the first run ended before the second was checked: the test proves nothing"
-    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and "a3po/cli.py train --preset micro" in second.stderr, second.stderr
+    holder = "a3po/training/command.py --preset micro"
+    assert second.returncode != 0 and f"pid {first.pid}" in second.stderr and holder in second.stderr, second.stderr
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 0, stderr
     assert _last_json(stdout)["steps"] == 400 and _last_json(stdout)["resumed_from"] is None

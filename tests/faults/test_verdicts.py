@@ -156,7 +156,7 @@ def test_a3po_train_keeps_the_files_variant_when_no_option_is_given(tmp_path):
     """Before: the CLI's default --variant loglinear replaced ``rl: {variant: sync}`` silently."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("rl: {variant: sync, steps: 1, eval_every: 1}\n")
-    cmd = [sys.executable, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(cfg), "--output-dir", str(tmp_path / "o"),
+    cmd = [sys.executable, "-m", "a3po.training.command", "--preset", "micro", "--config", str(cfg), "--output-dir", str(tmp_path / "o"),
            "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -165,7 +165,7 @@ def test_a3po_train_keeps_the_files_variant_when_no_option_is_given(tmp_path):
 
 
 def test_an_option_that_replaces_a_file_value_warns_naming_both(tmp_path, capsys):
-    from a3po.cli import main
+    from cli import main
 
     cfg = tmp_path / "c.yaml"
     # The missing DeepSpeed JSON stops the command after the config is built, before anything is written.

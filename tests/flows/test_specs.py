@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tasks.arms import Arm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "infra"))
-from deploy import deployments, flow_parameters  # noqa: E402  (infra/ is not a package)
+from deploy import deployments, flow_parameters, parameter_problems  # noqa: E402  (infra/ is not a package)
 
 PPO_MICRO = {"rl": {"advantage": "gae"}, "ppo": {"critic": "policy_copy", "critic_lr": 1e-3, "kl_coef": 0.05, "kl_estimator": "k3"}}
 
@@ -58,6 +59,38 @@ def test_deployments_fit_their_flows_and_param_flags_set_spec_fields():
     with pytest.raises(Exception, match="unknown OPPO mode 'sideways'"):
         load_flow_from_entrypoint(str(ROOT / deps["nightly-parity"]["entrypoint"])).validate_parameters(
             flow_parameters(deps["nightly-parity"]["parameters"], ["candidate=loglinear+oppo-sideways"]))
+
+
+# A deployment's parameters, set with --param as a user would, and the line its registration prints
+# instead of a run that fails when it starts (or, coerced, runs what was not asked).
+DEPLOY_REFUSALS = [
+    ("compare-variants", ["steps=true"], "spec.steps: Input should be a valid integer, got True"),
+    ("compare-variants", ["seeds=[true,false]"], "spec.seeds.0: Input should be a valid integer, got True"),
+    ("nightly-parity", ['fail_on_regression="yes"'], "spec.fail_on_regression: Input should be a valid boolean, got 'yes'"),
+    ("compare-variants", ["preset=tinyy"], "unknown preset 'tinyy'"),
+    ("compare-variants", ['overrides={"rl":{"stepz":3}}'], r"overrides.rl: unknown field\(s\) \['stepz'\]"),
+    ("compare-variants", ['overrides={"rl":{"lr":"abc"}}'], "rl.lr: expected a float, got 'abc'"),
+    ("compare-variants", ["config=/nonexistent/my.yaml"], "/nonexistent/my.yaml: cannot read the config"),
+    ("compare-variants", ['variant_overrides={"loglinear":{"lrr":1}}'], r"unknown field\(s\) \['lrr'\]"),
+    # what the night builds before it trains: a calibrated rule the setting has no calibration for
+    ("nightly-parity", ['rule="shortfall"', 'overrides={"rl":{"lr":0.001}}'], "the recorded calibrations are for the presets as shipped"),
+    # a launch the config cannot run: two ranks and no DeepSpeed config
+    ("compare-variants", ['launch={"mode":"torchrun","nproc_per_node":2}'], "deepspeed"),
+]
+
+
+@pytest.mark.parametrize("name,flags,words", DEPLOY_REFUSALS, ids=[" ".join(f) for _, f, _ in DEPLOY_REFUSALS])
+def test_a_deployment_is_checked_as_its_run_builds_and_never_coerced(name, flags, words):
+    dep = deployments()[name]
+    problems = parameter_problems(dep["entrypoint"], flow_parameters(dep["parameters"], flags))
+    assert problems and re.search(words, problems[0], re.IGNORECASE), problems
+
+
+@pytest.mark.parametrize("name", ["compare-variants", "nightly-parity"])
+def test_a_deployment_as_shipped_and_with_good_flags_passes_the_check(name):
+    dep = deployments()[name]
+    assert parameter_problems(dep["entrypoint"], dep["parameters"]) == []
+    assert parameter_problems(dep["entrypoint"], flow_parameters(dep["parameters"], ["preset=micro", "steps=2", "seeds=[0,1]"])) == []
 
 
 def test_every_arm_name_round_trips_through_its_config():

@@ -2,8 +2,8 @@
 
 Fast: the doc's table is the one the config checks give (a check changed without the doc fails
 here), every refusal names a config field and has a review, and a few cells, read off the checks
-in a3po/config/schema.py by hand, come out as the checks say. Slow: every cell that runs trains 2
-steps of the micro preset, with the figures of the options it turns on: in this process, or
+in a3po/config/ (train.py and the sections' modules) by hand, come out as the checks say. Slow:
+every cell that runs trains 2 steps of the micro preset, with the figures of the options it turns on: in this process, or
 launched through torchrun as trainer ranks and rollout workers (the vLLM cells under -m vllm).
 """
 
@@ -195,7 +195,7 @@ def test_every_multi_process_cell_that_runs_trains_two_steps(cell, tmp_path):
     config.write_text(yaml.safe_dump(sections))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true", "DS_ACCELERATOR": "cpu"}
     nproc = cell.trainer_ranks + cell.rollout_workers
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "a3po.cli", "train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "a3po.training.command",
            "--preset", "micro", "--config", str(config), "--output-dir", str(tmp_path / "out"), "--no-progress", "--variant", "loglinear"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

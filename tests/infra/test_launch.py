@@ -165,10 +165,10 @@ def test_launcher_command_lines(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("gpu-node-0 slots=8\ngpu-node-1 slots=8  # second\n")
     ds = LaunchSpec(mode="deepspeed", hostfile=str(hostfile), num_nodes=2, num_gpus=4, master_addr="gpu-node-0", zero_stage=2, devices="cuda")
-    (cmd,) = launcher_commands(ds, ["-m", "a3po.cli", "train", "--preset", "tiny"], 29500).values()
+    (cmd,) = launcher_commands(ds, ["-m", "a3po.training.command", "--preset", "tiny"], 29500).values()
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert cmd[3:] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "4", "--master_addr", "gpu-node-0",
-                       "--master_port", "29500", "--no_local_rank", "--module", "a3po.cli", "train", "--preset", "tiny"]
+                       "--master_port", "29500", "--no_local_rank", "--module", "a3po.training.command", "--preset", "tiny"]
     assert ds.topology() == {"mode": "deepspeed", "nodes": 2, "ranks_per_node": 4, "world_size": 8, "devices": "cuda", "zero_stage": 2}
     assert LaunchSpec(mode="deepspeed", hostfile=str(hostfile)).topology()["world_size"] == 16  # 2 hosts x 8 slots
     tr = LaunchSpec(mode="torchrun", nnodes=2, node_rank=1, nproc_per_node=8, master_addr="10.0.0.1", master_port=29400)
@@ -180,7 +180,7 @@ def test_launcher_command_lines(tmp_path):
 @pytest.mark.slow
 def test_launched_training_equals_in_process_training_and_records_topology(prefect_server, tmp_path):
     """The flow's torchrun path (one rank: today's trainer is single-process) runs
-    ``python -m a3po.cli train`` on the run's config YAML and reads its results back: the same
+    ``python -m a3po.training.command`` on the run's config YAML and reads its results back: the same
     per-step history and final accuracy as the in-process path (deterministic schedule), and
     the topology on the parent and child MLflow runs."""
     import mlflow

@@ -243,7 +243,7 @@ def test_sigkilled_rank_fails_the_flow_naming_it_and_the_rerun_resumes_to_the_un
             if list(out.glob("*/loglinear-seed0/checkpoints/latest")):
                 for p in _processes_naming(str(out)):
                     try:
-                        if "a3po.cli" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
+                        if "a3po.training.command" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
                             killed.update(pid=p.pid, step=json.loads(next(out.glob("*/loglinear-seed0/checkpoints/latest")).read_text())["step"])
                             p.send_signal(signal.SIGKILL)
                             return

@@ -6,7 +6,7 @@ workers each owns the groups it admitted, and the ledger (every admitted group t
 once, none lost) holds across a checkpoint taken mid carry-over, the producers resuming from the
 per-worker states the trainer keeps (:class:`a3po.placement.rollout_workers.WorkerStates`).
 
-Slow (``python -m a3po.cli train`` under torchrun, as tests/placement/test_rollout_workers.py): 1 trainer +
+Slow (``python -m a3po.training.command`` under torchrun, as tests/placement/test_rollout_workers.py): 1 trainer +
 1 worker with ``oppo.inter`` equals the one-process ``oppo.inter`` run exactly under the
 deterministic schedule (the worker runs the same producer with the same group numbering, the
 state travels as JSON, floats exactly); a killed worker's rerun resumes to the same end; with

@@ -168,7 +168,7 @@ def _config(tmp: Path, name: str, model: Path, oppo: str, max_staleness: int) ->
 
 
 def _command(config: Path, out: Path, variant: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "a3po.cli", "train",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "a3po.training.command",
             "--preset", "micro", "--config", str(config), "--output-dir", str(out), "--no-progress", "--variant", variant]
 
 

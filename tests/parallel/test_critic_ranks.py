@@ -1,7 +1,7 @@
 """The PPO critic under DeepSpeed trainer ranks (``ppo.critic: policy_copy``, ``rl.advantage: gae``;
 a3po/training/ppo_parts.py, ``a3po.parallel.updaters.make_critic_updater``).
 
-Every run here is the real command, ``python -m a3po.cli train``, as in tests/parallel/test_deepspeed_ranks.py:
+Every run here is the real command, ``python -m a3po.training.command``, as in tests/parallel/test_deepspeed_ranks.py:
 the micro model with a 150-step warm start (rewards vary), ``lr = critic_lr = 1e-3`` and no
 warm-up, so every update moves the policy and the critic; ``ppo.critic_epochs: 2`` so the
 critic's passes after the policy's minibatches run sharded too, and ``ppo.value_clip: 0.05`` so the

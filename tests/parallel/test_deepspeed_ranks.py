@@ -1,6 +1,6 @@
 """Data-parallel trainer ranks under DeepSpeed (``a3po/parallel/ranks.py``), on CPU with gloo.
 
-Every run here is the real command, ``python -m a3po.cli train``, one plain process or two
+Every run here is the real command, ``python -m a3po.training.command``, one plain process or two
 ranks under torchrun with ``DS_ACCELERATOR=cpu``, on the micro model with a longer warm start
 (150 steps) so rewards vary and the loss and its gradient are not identically 0, and
 ``lr = 1e-3`` with no warm-up so every update moves the weights.
@@ -181,8 +181,8 @@ def test_deepspeed_config_without_deepspeed_fails_at_config_time_with_the_instal
     """DeepSpeed hidden (``sys.modules['deepspeed'] = None`` makes every import of it fail, as
     when it is not installed): the command fails before any warm start with the install hint."""
     config = _config(tmp_path, 2)
-    code = "import sys; sys.modules['deepspeed'] = None; from a3po.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = ["train", "--preset", "micro", "--config", str(config), "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    code = "import sys; sys.modules['deepspeed'] = None; from a3po.training.command import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["--preset", "micro", "--config", str(config), "--output-dir", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "distributed.deepspeed_config is set but DeepSpeed is not installed: pip install -e '.[distributed]'" in proc.stderr

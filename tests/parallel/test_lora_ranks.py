@@ -1,6 +1,6 @@
 """LoRA (``model.lora``) with DeepSpeed trainer ranks and with a rollout worker process.
 
-The slow tests run the real command, ``python -m a3po.cli train``, on the micro preset with LoRA
+The slow tests run the real command, ``python -m a3po.training.command``, on the micro preset with LoRA
 (r 4, alpha 8: 14 adapter tensors, 2176 floats) and the config of tests/parallel/test_deepspeed_ranks.py and
 tests/placement/test_rollout_workers.py (warm start of 150 steps, lr 1e-3 without warm-up, 8 steps, the
 deterministic schedule at s = 2), one warm start shared by every run:

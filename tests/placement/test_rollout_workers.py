@@ -1,6 +1,6 @@
 """Rollout workers in processes of their own (``distributed.rollout_workers``, a3po/placement/rollout_workers.py).
 
-Every run here is the real command, ``python -m a3po.cli train``: one plain process (today's
+Every run here is the real command, ``python -m a3po.training.command``: one plain process (today's
 rollout thread), or ``torchrun --nproc_per_node 2`` with ``rollout_workers: 1`` (rank 0 trains,
 rank 1 generates and scores), on the micro preset with a longer warm start (150 steps) so rewards
 vary and the loss is not identically 0, and ``lr = 1e-3`` with no warm-up so every update moves

@@ -16,7 +16,7 @@ far more (lr 1e-3 with no warm-up), so a worker that sampled from a version it h
 would show errors orders of magnitude above ``BEHAV_TOL_MAX``. That check is the worker's own
 copy against itself: a version mixed up on its way to the worker would reach both. So the trainer
 process also re-scores every batch it receives with its own copy of each token's version
-(``tests.support.trainer_behaviour_check``, run in place of ``a3po.cli``), and the version
+(``tests.support.trainer_behaviour_check``, run in place of ``a3po.training.command``), and the version
 before it as a control.
 """
 
@@ -100,7 +100,7 @@ def _launch(model: Path, out: Path, nproc: int, deepspeed: Path | None = None, l
         f"distributed: {{rollout_workers: 1{ds}}}\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "tests.support.trainer_behaviour_check", "train",
+               "-m", "tests.support.trainer_behaviour_check",
                "--preset", "micro", "--config", str(config), "--output-dir", str(out), "--no-progress", "--variant", "loglinear"]
     result = run_to_json(command, REPO_ROOT, _env(check_log), timeout=LAUNCH_TIMEOUT_S - 60)
     rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

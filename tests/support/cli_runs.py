@@ -19,7 +19,7 @@ def train_command(config: Path, out: Path, nproc: int | None = None, variant: st
     """``a3po train`` on the micro preset with ``config`` laid over it; under torchrun with
     ``nproc`` processes when given."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-    return [sys.executable, *launcher, "-m", "a3po.cli", "train", "--preset", "micro", "--config", str(config),
+    return [sys.executable, *launcher, "-m", "a3po.training.command", "--preset", "micro", "--config", str(config),
             "--output-dir", str(out), "--no-progress", "--variant", variant]
 
 

@@ -1,4 +1,4 @@
-"""``python -m tests.support.trainer_behaviour_check train ...``: ``a3po.cli`` with the trainer
+"""``python -m tests.support.trainer_behaviour_check ...``: ``a3po.training.command`` with the trainer
 checking every batch a rollout worker sends against its own weights.
 
 A worker's ``proximal: metrics`` figures compare the engine with the worker's copy of the version
@@ -103,6 +103,6 @@ def read_log(path) -> list[dict]:
 
 if __name__ == "__main__":
     install(os.environ[LOG_ENV])
-    from a3po.cli import main
+    from a3po.training.command import main
 
     sys.exit(main())

@@ -22,7 +22,7 @@ MAX_RL_SECONDS = 600  # "within 10 minutes of training per variant"
 def test_variant_raises_heldout_accuracy(variant, tmp_path_factory):
     out = tmp_path_factory.getbasetemp() / "convergence"  # shared, so the warm start is built once
     proc = subprocess.run(
-        [sys.executable, "-m", "a3po.cli", "train", "--variant", variant, "--preset", "tiny", "--seed", "0",
+        [sys.executable, "-m", "a3po.training.command", "--variant", variant, "--preset", "tiny", "--seed", "0",
          "--output-dir", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=1800,
     )

@@ -1,30 +1,34 @@
-"""``a3po`` command line, one tool with subcommands (``a3po --help`` lists them):
+"""``a3po train``: one variant (sync, recompute, loglinear) on a preset or YAML config, ending
+with one JSON line of its key figures.
 
-    a3po train     one variant on a preset or YAML config (below)
-    a3po eval      a checkpoint on GSM8K / MATH500 / AIME24 (``eval/cli.py``)
-    a3po compare   the comparison flow (``flows/compare_variants.py``, same options)
-    a3po nightly   the nightly parity flow (``flows/nightly_parity.py``, same options)
-    a3po claims    the paper-claims flow (``flows/paper_claims.py``, same options)
-    a3po bench     a benchmark of ``bench/`` by name (``python -m bench.<name>``)
-    a3po serve     the team-mode servers (``infra/start_*.sh``), in the foreground until stopped
+    python -m a3po.training.command --preset micro --variant loglinear --output-dir runs/micro
 
-Every command but ``serve`` ends with one JSON line of its key figures (``serve`` reports on
-stderr and exits with the first server that stops). Each subcommand imports what it runs only
-when it runs (``a3po --help`` stays fast). The CLI is the top of the stack, so the ``compare`` /
-``nightly`` / ``claims`` subcommands import ``flows`` inside their functions: the library itself
-never imports flows, Prefect or MLflow.
+The ``a3po`` console script (``cli/``) dispatches ``a3po train ...`` here; launched ranks run this
+module directly (``torchrun ... -m a3po.training.command ...``: ``tasks/launched.py``,
+``infra/launch.py``), so training needs the library alone. The config is built and checked before
+anything heavy is imported; under a launcher every rank runs it and rank 0 alone warm-starts,
+writes and prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``a3po train`` with ``argv`` (default ``sys.argv[1:]``); the exit status."""
+    from a3po.storage.runlock import RunFolderBusy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _train(argv)
+    except RunFolderBusy as e:  # another process writes this run folder: say who, change nothing
+        print(f"a3po train: {e}", file=sys.stderr)
+        return 1
 
 
 def _train(argv: list[str]) -> int:
@@ -171,121 +175,6 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
                       "run_dir": str(run_dir),
                       "world_size": ranks.world_size, "zero_stage": stage, "rollout_workers": ranks.rollout_workers}))
     return 0
-
-
-def _eval(argv: list[str]) -> int:
-    from eval.cli import main as eval_main  # eval/ imports a3po, so only on demand
-
-    return eval_main(argv)
-
-
-def _compare(argv: list[str]) -> int:
-    from flows.compare_variants import main as compare_main  # flows import Prefect: only when run
-
-    return compare_main(argv, prog="a3po compare")
-
-
-def _nightly(argv: list[str]) -> int:
-    from flows.nightly_parity import main as nightly_main
-
-    return nightly_main(argv, prog="a3po nightly")
-
-
-def _claims(argv: list[str]) -> int:
-    from flows.paper_claims import main as claims_main
-
-    return claims_main(argv, prog="a3po claims")
-
-
-def _bench(argv: list[str]) -> int:
-    import bench  # the package only: its modules are found by name, and imported when run
-
-    return bench.main(argv, prog="a3po bench")
-
-
-def _serve(argv: list[str]) -> int:
-    from infra.team_servers import main as serve_main
-
-    return serve_main(argv)
-
-
-# The packages each optional extra of pyproject.toml brings; `pip install -e .` alone trains
-# (`a3po train`), the flows need `pipeline`, lm-eval and hub datasets `eval`.
-EXTRAS: dict[str, tuple[str, ...]] = {
-    "pipeline": ("prefect", "mlflow", "pandas", "matplotlib", "scipy", "psutil"),
-    "eval": ("lm_eval", "datasets"),
-}
-
-
-def missing_extra(module: str) -> str | None:
-    """The extra that brings ``module`` (a dotted name: its top package counts), or None."""
-    top = module.split(".")[0]
-    return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
-
-
-def install_hint(command: str, extra: str, missing: str) -> str:
-    return (f"a3po {command}: needs the '{extra}' extra (not installed: {missing}): "
-            f"pip install -e '.[{extra}]' in the checkout, or pip install 'a3po[{extra}]'")
-
-
-@dataclass(frozen=True)
-class Command:
-    summary: str  # one line in `a3po --help`
-    run: Callable[[list[str]], int]
-    # Extras checked before the command starts (without importing them); a module of another
-    # extra missing later (`a3po eval --lm-eval`, a benchmark) is named by main() the same way.
-    needs: tuple[str, ...] = ()
-
-
-COMMANDS: dict[str, Command] = {
-    "train": Command("train one variant (sync, recompute, loglinear) on a preset or YAML config", _train),
-    "eval": Command("evaluate a checkpoint on GSM8K / MATH500 / AIME24", _eval),
-    "compare": Command("compare the variants end to end (Prefect flow, tracked in MLflow)", _compare, ("pipeline",)),
-    "nightly": Command("nightly convergence parity of loglinear vs recompute and sync (exit 1 on fail)", _nightly,
-                       ("pipeline",)),
-    "claims": Command("the A-3PO paper's claims on this testbed: paper figure, ours, verdict (Prefect flow)", _claims,
-                      ("pipeline",)),
-    "bench": Command("run a benchmark of bench/ by name (a3po bench --help lists them)", _bench),
-    "serve": Command("team-mode servers: MLflow on PostgreSQL and the Prefect server (infra/)", _serve,
-                     ("pipeline",)),
-}
-
-
-def usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
-    return ("usage: a3po <command> [options]     (a3po <command> --help: its options)\n\n"
-            "Asynchronous RL post-training: sync, recompute and loglinear (A-3PO).\n\ncommands:\n" + "\n".join(lines))
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage())
-        return 0
-    if not argv or argv[0] not in COMMANDS:
-        got = f"unknown command {argv[0]!r}" if argv else "a command is required"
-        print(f"{usage()}\n\na3po: error: {got}", file=sys.stderr)
-        return 2
-    command = COMMANDS[argv[0]]
-    for extra in command.needs:
-        absent = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
-        if absent:
-            print(install_hint(argv[0], extra, ", ".join(absent)), file=sys.stderr)
-            return 2
-    from a3po.storage.runlock import RunFolderBusy
-
-    try:
-        return command.run(argv[1:])
-    except RunFolderBusy as e:  # another process writes this run folder: say who, change nothing
-        print(f"a3po {argv[0]}: {e}", file=sys.stderr)
-        return 1
-    except ModuleNotFoundError as e:  # a package of an extra, reached only on this command's path
-        extra = missing_extra(e.name or "")
-        if extra is None:
-            raise
-        print(install_hint(argv[0], extra, e.name), file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":
