@@ -635,7 +635,7 @@ def serve_rollouts(inp: RolloutInputs, ranks: Ranks, intra: Callable[[Retention]
     first = hello["start"] + (k - hello["start"]) % n
     # The engine's log-prob error against this worker's trainer-precision copy (proximal: metrics)
     # travels to the trainer in each batch's figures. The rollout correction's own log-probs do not:
-    # with workers it runs synchronously only, the trainer computing them (a3po.config.schema).
+    # with workers it runs synchronously only, the trainer computing them (a3po.config.train).
     producer = local_producer(inp, store, first, stride=n, end=hello["end"], check=behaviour_check(inp, store))
     if inp.cfg.oppo.inter:  # this worker's carry-over as the checkpoint kept it (None: none trained yet)
         producer.load_state_dict(hello["oppo_state"][k])
