@@ -1,8 +1,8 @@
 """What one weight version costs on its way to a rollout worker (``distributed.rollout_workers``),
 each way it can travel, side by side in one run: ``fp32`` (every tensor of the state dict in the
 trainer's fp32, tied weights twice), ``fp32-once`` (tied weights once,
-:func:`a3po.placement.rollout_workers.tied_names`) and ``bf16-once`` (floats rounded to bf16 on the
-way as well, :func:`~a3po.placement.rollout_workers.version_wire`: what a run whose workers decode
+:func:`a3po.placement.worker_wire.tied_names`) and ``bf16-once`` (floats rounded to bf16 on the
+way as well, :func:`~a3po.placement.worker_wire.version_wire`: what a run whose workers decode
 from a bf16 copy sends).
 
     python -m bench.version_push                         # smollm2-135m-instruct (make setup-smol)
@@ -11,9 +11,9 @@ from a bf16 copy sends).
 Two processes, pinned one core each (the disaggregated placement's split; both on one core where
 only one is usable), joined by the project's own gloo link
 (:class:`a3po.parallel.ranks.Link`). The trainer process packs the model's state dict
-(:func:`a3po.placement.rollout_workers.pack_state`, each float cast to the wire's dtype in the same
+(:func:`a3po.placement.worker_wire.pack_state`, each float cast to the wire's dtype in the same
 pass) and broadcasts it after the version's header; the worker process receives it, unpacks it
-(:func:`~a3po.placement.rollout_workers.unpack_state`) and loads it into its engine's bf16 copy of
+(:func:`~a3po.placement.worker_wire.unpack_state`) and loads it into its engine's bf16 copy of
 the model (``load_state_dict``, as the rollout engine does for each version). Each wire is timed
 ``--reps`` times after one untimed push; the two processes meet before every push, so the worker
 is waiting when it starts (as its receiving thread is in a run). Medians, seconds:
@@ -42,7 +42,7 @@ import torch
 from a3po.models.factory import count_parameters, empty_like
 from a3po.parallel.ranks import Link
 from a3po.placement.cores import usable_core_ids
-from a3po.placement.rollout_workers import pack_state, packed_size, state_layout, tied_names, unpack_state
+from a3po.placement.worker_wire import pack_state, packed_size, state_layout, tied_names, unpack_state
 from bench.roofline import load
 
 WIRES = {"fp32": (None, False), "fp32-once": (None, True), "bf16-once": (torch.bfloat16, True)}  # (dtype, ties once)

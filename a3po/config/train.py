@@ -129,7 +129,7 @@ class TrainConfig:
 
     def _check_tighten(self) -> None:
         """Where the guard may lower the staleness bound mid-run: admission alone must enforce it
-        (rollout workers take the bound with each version: a3po.placement.rollout_workers)."""
+        (rollout workers take the bound with each version: a3po.placement.remote_rollouts)."""
         if self.rl.schedule == "deterministic":
             # The schedule derives each batch's versions, and the store the versions it keeps, from the bound.
             raise ValueError("rl.guard_policy 'tighten' with rl.schedule 'deterministic': the schedule fixes each "

@@ -24,7 +24,7 @@ built on the trainable parameters, :func:`a3po.parallel.updaters.make_updater`; 
 :func:`keep_base_whole` keeps the base to merge into before the module is partitioned), and a
 rollout worker builds this module's model on the same warm start (:func:`with_lora`: the seeded
 ``A`` and ``B = 0`` make it the trainer's) and merges the adapter versions it is pushed
-(:mod:`a3po.placement.rollout_workers`).
+(:mod:`a3po.placement.worker_loop`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ each step it resumes, so all its values come from one critic version) and take t
 by chunk; a sample that is done keeps the figures of its whole answer (:attr:`Sample.scored`) until
 its group is trained (:func:`pack_streamed`).
 
-With rollout workers (``distributed.rollout_workers: N``, :mod:`a3po.placement.rollout_workers`)
+With rollout workers (``distributed.rollout_workers: N``, :mod:`a3po.placement.worker_loop`)
 each worker ``k`` runs its own :class:`OverlapProducer` over its batches ``k, k + N, ...`` and owns
 its carry-over: it admits the groups ``k, k + N, k + 2N, ...`` (disjoint between workers, a
 function of (seed, g) as in one process) and carried groups stay with the worker that admitted

@@ -36,7 +36,7 @@ import torch
 class Ranks:
     """This process's place among the trainer ranks; collectives are identities at world size 1.
 
-    With rollout workers (``distributed.rollout_workers``, :mod:`a3po.placement.rollout_workers`) the launch
+    With rollout workers (``distributed.rollout_workers``, :mod:`a3po.placement.remote_rollouts`) the launch
     is ``world_size`` trainer ranks followed by ``rollout_workers`` processes that only generate;
     the trainer ranks form torch's default world (DeepSpeed's), so the trainer collectives below
     (``shard``, ``sum``, ``gather_rows``, ``from_main``, ``barrier``) are theirs alone; ``share``
@@ -149,7 +149,7 @@ def init_ranks(deepspeed_config: str | None, rollout_workers: int = 0) -> Ranks:
     and a launch of several ranks is refused: they would train independent copies into one folder.
     With rollout workers: torch's world is the trainer ranks' (under DeepSpeed), the workers
     reach trainer rank 0 through links of their own (:func:`_join_launch`; the weights and samples
-    travel through host memory, see a3po.placement.rollout_workers)."""
+    travel through host memory, see a3po.placement.worker_wire)."""
     ranks = ranks_from_env(rollout_workers=rollout_workers)
     if deepspeed_config is None and ranks.world_size > 1:
         if rollout_workers:

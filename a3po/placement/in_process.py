@@ -1,6 +1,6 @@
 """A producer thread in this process: what generating and scoring need (:class:`RolloutInputs`)
 and how a producer is built from them (:func:`local_producer`), the same in a trainer process and
-in a rollout worker (:mod:`a3po.placement.rollout_workers`)."""
+in a rollout worker (:mod:`a3po.placement.worker_loop`)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ The names are the placements users name (:mod:`a3po.config.axes`: ``--placements
   from its own copy of the policy (:func:`a3po.placement.in_process.local_producer`).
 * ``disaggregated`` (``rollout_workers: N``): N processes of their own generate and score; trainer
   rank 0 pushes each weight version to them and receives their batches
-  (:class:`a3po.placement.rollout_workers.RemoteRollouts`), and with several (DeepSpeed) trainer
-  ranks hands each batch to the others (:class:`a3po.placement.rollout_workers.SharedRollouts`).
+  (:class:`a3po.placement.remote_rollouts.RemoteRollouts`), and with several (DeepSpeed) trainer
+  ranks hands each batch to the others (:class:`a3po.placement.remote_rollouts.SharedRollouts`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 from a3po.devices import model_device
 from a3po.parallel.ranks import Ranks
 from a3po.placement.in_process import RolloutInputs, behaviour_check, local_producer
-from a3po.placement.rollout_workers import RemoteRollouts, SharedRollouts
+from a3po.placement.remote_rollouts import RemoteRollouts, SharedRollouts
 from a3po.producer.producer import ScoredBatch
 from a3po.producer.weight_store import WeightStore
 from a3po.registry import Registry

@@ -164,7 +164,7 @@ class ProducerFailed(RuntimeError):
 class RolloutProducer(threading.Thread):
     """Generates batches ``start, start + stride, ...`` (before ``end`` when given) into ``out``
     under the admission bound. In a trainer process: every batch; in one of k rollout workers
-    (:mod:`a3po.placement.rollout_workers`): every k-th. Subclasses change how a batch is
+    (:mod:`a3po.placement.worker_loop`): every k-th. Subclasses change how a batch is
     generated (:meth:`_produce_next`) and share how it is scored (:meth:`_score`)."""
 
     def __init__(

@@ -155,7 +155,7 @@ def rl_train(
         plan = RunPlan.of(cfg, usable_cores(), native_bf16(device), device.type)
     if ranks.is_rollout_worker:
         raise RuntimeError("rl_train runs on trainer ranks; a rollout worker's rank serves batches "
-                           "(a3po.placement.rollout_workers.serve_rollouts)")
+                           "(a3po.placement.worker_loop.serve_rollouts)")
     logger = (logger or NullLogger()) if ranks.is_main else NullLogger()
     progress = progress if ranks.is_main else None
     # dtype auto where bf16 is native: forwards under bf16 autocast; weights and AdamW state stay fp32.

@@ -35,7 +35,7 @@ from a3po.oppo.intra import IntraScoring
 from a3po.parallel.ranks import Ranks, init_ranks
 from a3po.parallel.updaters import plain_model
 from a3po.placement.cores import own_cores, usable_cores
-from a3po.placement.rollout_workers import serve_rollouts
+from a3po.placement.worker_loop import serve_rollouts
 from a3po.producer.weight_store import Retention
 from a3po.storage.atomic import atomic_write_text, save_pretrained_atomic
 from a3po.storage.content import folder_hashes, record_problem

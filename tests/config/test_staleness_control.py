@@ -32,7 +32,7 @@ def test_refused_naming_the_field(rl, match):
 
 
 def test_rollout_workers_run_an_adaptive_bound_under_the_threaded_schedule_only():
-    # The trainer pushes the bound with each version (a3po.placement.rollout_workers); the deterministic
+    # The trainer pushes the bound with each version (a3po.placement.remote_rollouts); the deterministic
     # schedule fixes each batch's versions from the starting bound, workers or not.
     cfg = config_from_dict({"rl": ADAPTIVE, "distributed": {"rollout_workers": 1}})
     assert (cfg.rl.staleness_control, cfg.distributed.rollout_workers) == ("adaptive", 1)

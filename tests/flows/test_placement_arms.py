@@ -38,7 +38,7 @@ def test_unknown_placements_and_refused_combinations_name_the_field():
         expand_arms(["sync"], None, ["gpu"])
     with pytest.raises(ValueError, match="arm 'sync@gpu': unknown placement"):
         Arm.parse("sync@gpu")
-    # OPPO's carry-over runs in the rollout workers (a3po.placement.rollout_workers): the arm builds.
+    # OPPO's carry-over runs in the rollout workers (a3po.placement.worker_loop): the arm builds.
     inter = Arm.parse("loglinear+oppo-inter@disaggregated").config(preset("micro"), 0)
     assert inter.oppo.inter and inter.distributed.rollout_workers >= 1
 

@@ -1,10 +1,10 @@
-"""OPPO with rollout workers (``distributed.rollout_workers``, a3po/placement/rollout_workers.py):
+"""OPPO with rollout workers (``distributed.rollout_workers``, a3po/placement/worker_loop.py):
 the carry-over (``oppo.inter``) and the streaming scorers (``oppo.intra``) run in the worker.
 
 Fast: the wire format carries the streamed tensors and the OPPO states exactly; with two
 workers each owns the groups it admitted, and the ledger (every admitted group trained exactly
 once, none lost) holds across a checkpoint taken mid carry-over, the producers resuming from the
-per-worker states the trainer keeps (:class:`a3po.placement.rollout_workers.WorkerStates`).
+per-worker states the trainer keeps (:class:`a3po.placement.remote_rollouts.WorkerStates`).
 
 Slow (``python -m a3po.training.command`` under torchrun, as tests/placement/test_rollout_workers.py): 1 trainer +
 1 worker with ``oppo.inter`` equals the one-process ``oppo.inter`` run exactly under the
@@ -26,7 +26,8 @@ import torch
 from a3po.data.arithmetic import WORDS, generate_split
 from a3po.models.factory import build_tiny_model
 from a3po.oppo.overcommit import DeltaController, OverlapProducer, per_worker_states
-from a3po.placement.rollout_workers import WorkerStates, _put_batch, _take_batch
+from a3po.placement.remote_rollouts import WorkerStates
+from a3po.placement.worker_wire import put_batch, take_batch
 from a3po.producer.producer import Admission, PromptSampler, ScoredBatch
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.torch_engine import RolloutEngine
@@ -52,8 +53,8 @@ def test_a_batch_travels_with_its_streamed_tensors_and_oppo_states_exactly():
                        producer_state=state, stream_state={"chunk_tuner": {"size": 4}},
                        streamed={"ref_logp": torch.randn(3, 7, generator=g), "scores": torch.rand(3, generator=g)})
     wire: list[torch.Tensor] = []
-    _put_batch(sent, lambda t: wire.append(t.clone()))
-    got = _take_batch(lambda t: t.copy_(wire.pop(0)), torch.device("cpu"))
+    put_batch(sent, lambda t: wire.append(t.clone()))
+    got = take_batch(lambda t: t.copy_(wire.pop(0)), torch.device("cpu"))
     assert not wire and got.index == 9
     assert (got.producer_state, got.stream_state) == (state, {"chunk_tuner": {"size": 4}})
     assert got.producer_state["buffer"]["groups"][0][0]["logp"][0] == 0.30000000000000004
@@ -61,8 +62,8 @@ def test_a_batch_travels_with_its_streamed_tensors_and_oppo_states_exactly():
     assert all(torch.equal(got.streamed[k], sent.streamed[k]) and got.streamed[k].dtype == torch.float32 for k in sent.streamed)
     # No OPPO: nothing more travels.
     wire.clear()
-    _put_batch(ScoredBatch(0, rollout, sent.rewards, sent.completions, 0.0), lambda t: wire.append(t.clone()))
-    plain = _take_batch(lambda t: t.copy_(wire.pop(0)), torch.device("cpu"))
+    put_batch(ScoredBatch(0, rollout, sent.rewards, sent.completions, 0.0), lambda t: wire.append(t.clone()))
+    plain = take_batch(lambda t: t.copy_(wire.pop(0)), torch.device("cpu"))
     assert (plain.producer_state, plain.stream_state, plain.streamed) == (None, None, {})
 
 

@@ -43,7 +43,8 @@ from a3po.models.logprobs import token_logprobs
 from a3po.models.lora import MergedWeights, apply_lora, is_lora, keep_base_whole, trained_state
 from a3po.parallel.updaters import plain_model
 from a3po.placement.in_process import RolloutInputs, local_producer
-from a3po.placement.rollout_workers import pack_state, state_layout, unpack_state, worker_inputs
+from a3po.placement.worker_loop import worker_inputs
+from a3po.placement.worker_wire import pack_state, state_layout, unpack_state
 from a3po.producer.weight_store import WeightStore, clone_state
 from a3po.rollout.types import SamplingParams
 from a3po.storage.checkpoint import latest_checkpoint, load_checkpoint

@@ -1,4 +1,5 @@
-"""Rollout workers in processes of their own (``distributed.rollout_workers``, a3po/placement/rollout_workers.py).
+"""Rollout workers in processes of their own (``distributed.rollout_workers``,
+a3po/placement/{remote_rollouts,worker_loop,worker_wire}.py).
 
 Every run here is the real command, ``python -m a3po.training.command``: one plain process (today's
 rollout thread), or ``torchrun --nproc_per_node 2`` with ``rollout_workers: 1`` (rank 0 trains,
@@ -25,9 +26,8 @@ import pytest
 import torch
 
 from a3po.config.preflight import deepspeed_available
-from a3po.placement.rollout_workers import (
-    PushFigures,
-    VersionBounds,
+from a3po.placement.remote_rollouts import PushFigures, VersionBounds
+from a3po.placement.worker_wire import (
     pack_state,
     state_layout,
     tied_names,

@@ -4,7 +4,7 @@ checking every batch a rollout worker sends against its own weights.
 A worker's ``proximal: metrics`` figures compare the engine with the worker's copy of the version
 it received, so a version mixed up on the way (the wrong weights pushed under a version's number,
 tokens labelled with another version) reaches both and shows nothing. Here the trainer process
-keeps a copy of every version it publishes (:class:`a3po.placement.rollout_workers.RemoteRollouts`'
+keeps a copy of every version it publishes (:class:`a3po.placement.remote_rollouts.RemoteRollouts`'
 store, before it is sent) and re-scores each received batch with a plain torch forward of the
 version each token records (with LoRA: the adapters merged into the base, as the engine gets them),
 as tests/oppo/test_vllm.py does in process. One JSON line per batch goes to the file
@@ -25,7 +25,7 @@ import torch
 from a3po.models.factory import empty_like
 from a3po.models.logprobs import token_logprobs
 from a3po.models.lora import MergedWeights, is_lora
-from a3po.placement import rollout_workers
+from a3po.placement import remote_rollouts
 from a3po.producer.producer import ScoredBatch
 
 LOG_ENV = "A3PO_TRAINER_BEHAVIOUR_LOG"
@@ -81,7 +81,7 @@ class TrainerCheck:
 
 def install(path: str) -> None:
     """Wrap :class:`RemoteRollouts` (the trainer's side of the workers) so that it checks each batch."""
-    cls = rollout_workers.RemoteRollouts
+    cls = remote_rollouts.RemoteRollouts
     init, next_batch = cls.__init__, cls.next_batch
 
     def checked_init(self, inp, store, start, ranks) -> None:

@@ -83,7 +83,7 @@ def test_invalid_guard_settings_are_refused_naming_the_fields(rl, match):
 
 
 def test_tighten_runs_with_rollout_workers_under_the_threaded_schedule_only():
-    # Workers take the lowered bound with the next version (a3po.placement.rollout_workers).
+    # Workers take the lowered bound with the next version (a3po.placement.remote_rollouts).
     rl = {"guard_every": 2, "guard_policy": "tighten", "schedule": "threaded"}
     assert config_from_dict({"rl": rl, "distributed": {"rollout_workers": 1}}).rl.guard_policy == "tighten"
     with pytest.raises(ValueError, match="'tighten' with rl.schedule 'deterministic'"):
