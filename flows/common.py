@@ -275,8 +275,9 @@ def run_comparison(
     base = with_prepared_data(base, data)
     ws = warm_start.with_options(refresh_cache=not warmstart_ready(base, cache_dir))(base, str(cache_dir))
     get_run_logger().info(f"dataset {data.key}: {data.n_train} train / {data.n_heldout} held-out rows; warm-start held-out acc {ws.heldout_acc:.3f}")
+    # Seed-major: one seed's arms run back to back, so a slow spell of the host falls on every arm alike.
     jobs = [(cfg, str(run_dir_for(output_dir, cfg))) for cfg in
-            (variant_config(base, arm, seed, spec.variant_overrides) for arm in arms for seed in spec.seeds)]
+            (variant_config(base, arm, seed, spec.variant_overrides) for seed in spec.seeds for arm in arms)]
     evaluation = dict(benchmarks=spec.benchmarks, data_dir=data_dir, bench_limit=spec.bench_limit,
                       bench_max_new_tokens=spec.bench_max_new_tokens, system_metrics_interval_s=spec.system_metrics_interval_s)
     step0 = step0_benchmarks(ws, base, spec, data_dir, cache_dir)

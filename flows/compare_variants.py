@@ -14,7 +14,8 @@ The pipeline, one line per task:
     -> summary (table, speedups, plots, pairs with intervals over seeds) on the MLflow parent run
 
 A variant killed mid-training resumes from its last checkpoint when the flow is run again with
-the same output dir. Variants run one after another (the machine this targets has 2 cores).
+the same output dir. Runs go one after another, seed by seed: each seed's arms back to back, so a slow
+spell of the host falls on every arm alike (the machine this targets has 2 cores).
 
 Embedded default: Prefect's temporary local server (state under ./.prefect) and an MLflow
 SQLite store ./mlflow.db (override with MLFLOW_TRACKING_URI or --tracking-uri); team mode:

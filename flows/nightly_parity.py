@@ -13,10 +13,12 @@ budget: K = 6 seeds at 75 RL steps): the mean difference to the references' mean
 below the healthy candidate's by more than ``t sigma sqrt(1/K + 1/N)``, sigma the seed noise
 measured on N seeds by ``bench.nightly_power``. Elsewhere it takes the noninferiority rule: per reference, the paired
 bootstrap CI of the mean difference must have its lower bound above ``-tolerance``. The MLflow
-parent run is tagged ``parity=pass|fail`` and carries ``parity/...`` metrics and a report (its
-first line names the rule and calibration); the report also lists earlier nightly runs found in
+parent run is tagged ``parity=pass|fail|not measurable`` (the last where the references' reward
+did not move: :func:`tasks.parity.references_moved`; parity between arms that did not learn is no
+evidence) and carries ``parity/...`` metrics and a report (its first line names the rule and
+calibration); the report also lists earlier nightly runs found in
 MLflow (``search_runs`` on the tags) and says whether tonight's bounds are better or worse than
-their median. The command exits non-zero on failure.
+their median. The command exits non-zero on a fail and on a night that could not be judged.
 
 Scheduled by a Prefect deployment (cron ``0 2 * * *``): ``infra/prefect.yaml`` or
 ``python infra/deploy_nightly.py``; schedules need a real Prefect server and a worker
@@ -58,11 +60,14 @@ from tasks.parity import (
     decide_parity,
     earlier_nights,
     parity_metrics,
+    references_moved,
     report_markdown,
     trend_verdict,
 )
 from tasks.tracking import log_to_parent
 from tasks.verdicts import all_pass
+
+NOT_MEASURABLE = "not measurable"  # the references' reward did not move: tasks.parity.references_moved
 
 
 class NightlySpec(ComparisonSpec):
@@ -102,7 +107,8 @@ class NightlySpec(ComparisonSpec):
     n_boot: int = Field(default=10_000, ge=100, le=1_000_000)  # bootstrap resamples (memory: n_boot x seeds)
     history: int = Field(default=14, ge=0, le=1000)  # earlier nights in the trend
     fail_on_regression: bool = Field(default=False, description=(
-        "Raise ParityRegression on a fail verdict so the Prefect flow run ends Failed (the deployments set it; the "
+        "Raise ParityRegression on a fail or not-measurable verdict so the Prefect flow run ends Failed (the "
+        "deployments set it; the "
         "command line exits 1 instead)."))
 
     @field_validator("references")
@@ -215,19 +221,23 @@ def nightly_parity(spec: NightlySpec = NightlySpec()) -> dict[str, Any]:  # noqa
         trend = earlier_nights(ref.tracking_uri, ref.experiment_id, ref.parent_run_id, candidate, [r.reference for r in results],
                                spec.history)
         verdict = "pass" if all_pass((r.passed for r in results), "parity results") else "fail"
-        report = f"Rule: {rule_note}\n\n" + report_markdown(results, trend)
+        unmoved = references_moved(records, references, spec.smooth_frac)
+        if unmoved and verdict == "pass":  # a fail stands: the candidate fell below arms that stayed put
+            verdict = NOT_MEASURABLE
+        report = (f"**Not measurable**: {unmoved}.\n\n" if verdict == NOT_MEASURABLE else "") + \
+            f"Rule: {rule_note}\n\n" + report_markdown(results, trend)
         trend_line = trend_verdict(results, trend)
         (out / "summary" / "parity.md").write_text(f"# Nightly parity: {verdict}\n\n{report}\nTrend: {trend_line}\n")
         (out / "summary" / "parity.json").write_text(json.dumps({"verdict": verdict, "results": [r.__dict__ for r in results], "trend": trend},
                                                                 indent=1))
-        log_to_parent(ref, {**summary["metrics"], **parity_metrics(results)},
+        log_to_parent(ref, {**summary["metrics"], **parity_metrics(results), "parity/pass": float(verdict == "pass")},
                       [*summary["artifacts"], str(out / "summary" / "parity.md"), str(out / "summary" / "parity.json")],
                       tags={"parity": verdict})
         describe_parent_run(ref, summary, records, links,
                             verdict_md=f"# Nightly parity: {verdict.upper()}\n\n{report}\n\nTrend: {trend_line}")
         get_run_logger().info(f"parity {verdict}; trend: {trend_line}")
-    if verdict == "fail" and spec.fail_on_regression:
-        raise ParityRegression(f"convergence parity failed:\n{report}")
+    if verdict != "pass" and spec.fail_on_regression:
+        raise ParityRegression(f"convergence parity {'failed' if verdict == 'fail' else 'could not be judged'}:\n{report}")
     return {
         "verdict": verdict,
         "results": [r.__dict__ for r in results],

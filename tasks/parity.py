@@ -45,7 +45,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.arms import metric_key_part
-from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history
+from tasks.summary import SMOOTH_FRAC, arm_of, final_reward, read_history, start_reward
 from tasks.verdicts import NothingToJudge, all_pass
 
 METRICS = ("final_reward", "final_acc")
@@ -195,6 +195,29 @@ def run_metric(record: dict[str, Any], metric: str, smooth_frac: float = SMOOTH_
     if metric == "final_acc":
         return float(record["final_acc"])
     raise ValueError(f"unknown parity metric {metric!r}; valid: {METRICS}")
+
+
+# How far the references' training reward must rise (mean over seeds) for parity to be judged: between
+# arms that did not learn, "no shortfall" is what any candidate, broken or not, would show.
+MIN_REFERENCE_GAIN = 0.05
+
+
+def references_moved(records: Sequence[dict[str, Any]], references: Sequence[str],
+                     smooth_frac: float = SMOOTH_FRAC) -> str | None:
+    """Why parity cannot be judged on ``records``, or None when it can: the mean over the
+    references' runs of ``final_reward - start_reward`` (the first and last ``smooth_frac`` of
+    steps, :mod:`tasks.summary`) is below :data:`MIN_REFERENCE_GAIN`."""
+    gains = []
+    for r in records:
+        if arm_of(r) in references:
+            history = r.get("history") or read_history(r["history_path"])
+            gains.append(final_reward(history, smooth_frac) - start_reward(history, smooth_frac))
+    moved = float(np.mean(gains)) if gains else 0.0
+    if moved >= MIN_REFERENCE_GAIN:
+        return None
+    return (f"the references ({', '.join(references)}) moved their reward {round(moved, 3) + 0.0:+.3f} from their first steps (mean "
+            f"over {len(gains)} run(s)), less than {MIN_REFERENCE_GAIN:g}: parity between arms that did not learn is no "
+            "evidence of parity (a candidate that learned nothing would pass)")
 
 
 def decide(

@@ -10,6 +10,7 @@ from the same rows (:func:`approximation_stats`). When a statistic crosses its b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,16 @@ def approximation_stats(approx: torch.Tensor, exact: torch.Tensor, behav: torch.
       approximation puts into the behaviour weight ``w = pi_prox / pi_behav`` (and into ``r``);
     * ``guard/behav_iw_p99|max``: the exact behaviour weight ``pi_prox / pi_behav``, how far the
       samples are off-policy for the weights being trained;
-    * ``guard/tokens``: how many tokens were compared.
+    * ``guard/tokens``: how many tokens were compared;
+    * ``guard/nonfinite_tokens``: how many of them hold NaN or inf in ``approx``, ``exact`` or
+      ``behav`` (a quantile can pass over a few: sorted last, they may sit above the p99).
 
     Shapes: all ``(B, T)``; ``mask`` bool. Nothing outside ``mask`` is read."""
     require_same_shape(approx=approx, exact=exact, behav=behav, mask=mask)
     m = mask.bool()
     err = (approx - exact)[m].float()
     iw = (exact - behav)[m].float().exp()
+    finite = torch.isfinite(approx[m]) & torch.isfinite(exact[m]) & torch.isfinite(behav[m])
     return {
         "guard/abs_err_mean": err.abs().mean().item() if err.numel() else 0.0,
         "guard/abs_err_p99": quantile(err.abs(), 0.99),
@@ -43,6 +47,7 @@ def approximation_stats(approx: torch.Tensor, exact: torch.Tensor, behav: torch.
         "guard/behav_iw_p99": quantile(iw, 0.99),
         "guard/behav_iw_max": iw.max().item() if iw.numel() else 0.0,
         "guard/tokens": float(err.numel()),
+        "guard/nonfinite_tokens": float((~finite).sum()),
     }
 
 
@@ -55,13 +60,26 @@ class GuardBounds:
     max_iw: float
 
 
+def over(value: float, bound: float) -> bool:
+    """Whether a checked figure crosses its bound: above it, or not a number at all (NaN; ``NaN >
+    bound`` is false). A check that could not compute its figure fires, never passes."""
+    return not value <= bound
+
+
 def breaches(stats: dict[str, float], bounds: GuardBounds) -> list[str]:
-    """The reasons ``stats`` (of :func:`approximation_stats`) cross ``bounds``, one line each; none: quiet."""
+    """The reasons ``stats`` (of :func:`approximation_stats`) cross ``bounds``, one line each; none:
+    quiet. A NaN figure crosses its bound (:func:`over`), and so does any non-finite token checked."""
     out = []
-    if stats["guard/abs_err_p99"] > bounds.max_err:
-        out.append(f"guard/abs_err_p99 {stats['guard/abs_err_p99']:.4g} > rl.guard_max_err {bounds.max_err:g}")
-    if stats["guard/behav_iw_p99"] > bounds.max_iw:
-        out.append(f"guard/behav_iw_p99 {stats['guard/behav_iw_p99']:.4g} > rl.guard_max_iw {bounds.max_iw:g}")
+    if stats.get("guard/nonfinite_tokens", 0.0) > 0:
+        out.append(f"guard/nonfinite_tokens {stats['guard/nonfinite_tokens']:.0f} of {stats['guard/tokens']:.0f} "
+                   "checked: the anchor or behaviour log-probs hold NaN or inf")
+    for key, field, bound in (("guard/abs_err_p99", "rl.guard_max_err", bounds.max_err),
+                              ("guard/behav_iw_p99", "rl.guard_max_iw", bounds.max_iw)):
+        value = stats[key]
+        if math.isnan(value):
+            out.append(f"{key} is NaN (the anchors compared hold NaN or inf): counted as over {field} {bound:g}")
+        elif over(value, bound):
+            out.append(f"{key} {value:.4g} > {field} {bound:g}")
     return out
 
 

@@ -19,6 +19,7 @@ live there as well (see :mod:`a3po.devices`).
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -199,6 +200,10 @@ class RolloutEngine:
         )
 
 
+class DecodingCancelled(RuntimeError):
+    """:func:`generate_text` stopped because its ``cancel`` event was set."""
+
+
 def generate_text(
     model: torch.nn.Module,
     tokenizer,
@@ -206,17 +211,28 @@ def generate_text(
     params: SamplingParams,
     seed: int = 0,
     batch_size: int = 32,
+    cancel: threading.Event | None = None,
 ) -> list[str]:
     """Decode completions for text prompts (the evaluation entry point). Greedy when
-    ``params.temperature == 0``; EOS and padding are stripped from the returned text."""
+    ``params.temperature == 0``; EOS and padding are stripped from the returned text. ``cancel``:
+    set from another thread, decoding stops at its next token with :class:`DecodingCancelled`
+    (a stop of the trainer ends an evaluation beside it within one decode step)."""
     engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     gen = sampling_generator(model_device(model), seed)
+    on_token = None if cancel is None else _raise_when_set(cancel)
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]
-        batch = engine.generate(chunk, params, generator=gen)
+        batch = engine.generate(chunk, params, generator=gen, on_token=on_token)
         for resp in batch.responses:
             if resp and resp[-1] == tokenizer.eos_token_id:
                 resp = resp[:-1]
             out.append(tokenizer.decode(resp, skip_special_tokens=True))
     return out
+
+
+def _raise_when_set(cancel: threading.Event) -> OnToken:
+    def check(t: int, tokens: torch.Tensor, alive: torch.Tensor) -> None:
+        if cancel.is_set():
+            raise DecodingCancelled(f"decoding cancelled at token {t}")
+    return check

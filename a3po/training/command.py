@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderBusy as e:  # another process writes this run folder: say who, change nothing
         print(f"a3po train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the checkpoints written so far are whole (atomic): say how to go on
+        print("a3po train: interrupted; the same command resumes from the run's last checkpoint", file=sys.stderr)
+        return 130
 
 
 def _train(argv: list[str]) -> int:
@@ -142,6 +145,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
             post["acc"] = f"{m['eval/heldout_acc']:.3f}"
         bar.set_postfix(post, refresh=True)
 
+    from a3po.storage.atomic import DiskFullError
     from a3po.storage.checkpoint import CheckpointError
 
     logger = JsonlLogger(run_dir / "metrics.jsonl") if ranks.is_main else NullLogger()
@@ -158,6 +162,10 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     except NonFiniteError as e:  # the step and what was NaN or inf; the checkpoints before it are left as they are
         bar.close()
         print(f"a3po train: {e}", file=sys.stderr)
+        return 1
+    except DiskFullError as e:  # the file and the limit it hit; what was committed before is whole
+        bar.close()
+        print(f"a3po train: {e.strerror}", file=sys.stderr)
         return 1
     bar.n = cfg.rl.steps
     bar.close()

@@ -35,9 +35,12 @@ record is the inline run's:
   evaluates the restored weights (version ``v``) first, in the trainer's thread
   (:meth:`Evaluations.resume`), logs the figures at step ``v`` by a call of their own (the
   rewound metrics file has step ``v``'s line without them) and writes step ``v``'s table from
-  the saved training rows; its eval curve, history and tables are the inline run's. When the
-  training itself fails, an evaluation in flight is left to finish in its (daemon) thread,
-  unrecorded: the steps after the last checkpoint are redone on resume.
+  the saved training rows; its eval curve, history and tables are the inline run's;
+* a stop of the trainer (Ctrl-C, a non-finite step, a full disk, any error) with an evaluation in
+  flight cancels it at its next decode step and joins its thread before the error goes on
+  (:meth:`Evaluations.close`), unrecorded: the process ends as the same stop ends it inline (a
+  thread left in torch code at interpreter exit aborts the process), and the steps after the last
+  checkpoint are redone on resume.
 
 ``time/eval_wait_s``: what each step spent on evaluations: the whole evaluation inline; the
 snapshot and the waits for a running evaluation in background (0 where there is none).
@@ -61,6 +64,7 @@ from a3po.models.factory import snapshot
 from a3po.parallel.ranks import Ranks
 from a3po.parallel.updaters import Updater, plain_model
 from a3po.producer.weight_store import WeightStore
+from a3po.rollout.torch_engine import DecodingCancelled
 from a3po.training.heldout import HeldOutEvaluation, heldout_evaluation
 from a3po.training.run_state import PendingEvaluation
 
@@ -89,9 +93,10 @@ class HeldOut:
         self.greedy = (ev.greedy, ev.greedy_scores)
         return ev.figures
 
-    def evaluate(self, model: torch.nn.Module) -> HeldOutEvaluation:
-        """The figures of ``model`` (any thread: it reads ``model`` alone)."""
-        return heldout_evaluation(model, self.tokenizer, self.rows, self.cfg)
+    def evaluate(self, model: torch.nn.Module, cancel: threading.Event | None = None) -> HeldOutEvaluation:
+        """The figures of ``model`` (any thread: it reads ``model`` alone); ``cancel`` set: it stops
+        within a decode step (:class:`~a3po.rollout.torch_engine.DecodingCancelled`)."""
+        return heldout_evaluation(model, self.tokenizer, self.rows, self.cfg, cancel=cancel)
 
     def snapshot(self) -> torch.nn.Module:
         """A copy of the newest weights that stays as it is while the policy trains on."""
@@ -117,28 +122,40 @@ class EvaluationFailed(RuntimeError):
     """A background held-out evaluation raised; the message names its step, the cause is chained."""
 
 
+Evaluate = Callable[[torch.nn.Module, threading.Event], HeldOutEvaluation]
+
+
 class _InFlight:
-    """One evaluation running in a daemon thread on ``model`` (dropped when it ends)."""
+    """One evaluation running in a thread of its own on ``model`` (dropped when it ends); the
+    trainer joins it, by :meth:`join` or, on a stop, :meth:`cancel`."""
 
     def __init__(self, version: int, train_rows: list[dict] | None, model: torch.nn.Module,
-                 evaluate: Callable[[torch.nn.Module], HeldOutEvaluation], threads: int) -> None:
+                 evaluate: Evaluate, threads: int) -> None:
         self.version, self.train_rows = version, train_rows
         self.result: HeldOutEvaluation | None = None
         self.error: Exception | None = None
+        self._cancel = threading.Event()
+        # A daemon only so that a trainer killed outright does not hang on it; every exit of the loop joins it.
         self.thread = threading.Thread(target=self._run, args=(model, evaluate, threads), daemon=True,
                                        name=f"heldout-eval-{version}")
         self.thread.start()
 
-    def _run(self, model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], HeldOutEvaluation],
-             threads: int) -> None:
+    def _run(self, model: torch.nn.Module, evaluate: Evaluate, threads: int) -> None:
         torch.set_num_threads(threads)  # the trainer thread's count: the inline figures' rounding
         try:
-            self.result = evaluate(model)
+            self.result = evaluate(model, self._cancel)
+        except DecodingCancelled:
+            pass  # the trainer stopped: nothing to record
         except Exception as e:  # noqa: BLE001 - raised in the trainer's thread by join
             self.error = e
 
     def done(self) -> bool:
         return not self.thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop the evaluation at its next decode step and wait for its thread to end."""
+        self._cancel.set()
+        self.thread.join()
 
     def join(self) -> Evaluated:
         self.thread.join()
@@ -191,6 +208,13 @@ class Evaluations:
         ``pending.version``, not trained further yet), in this thread."""
         figures = self.heldout()
         return Evaluated(pending.version, figures, self.heldout.greedy, pending.train_rows)
+
+    def close(self) -> None:
+        """Cancel and join the evaluation in flight, if any (the trainer stops: its figures are
+        not recorded). After the last step there is none: it has collected them all."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.cancel()
 
     def _collect(self) -> Evaluated:
         running, self._running = self._running, None

@@ -12,6 +12,12 @@ training forward across a step's later minibatches is not part of what it measur
 Its figures and actions are metrics (``guard/*``, every checked step), a warning on the
 ``a3po.guard`` logger naming the step, the bounds crossed and the action, and the same as a row of
 the run's actions (:mod:`a3po.training.actions`) where the loop keeps them.
+
+A check that cannot compute its figure fires, never passes: a NaN statistic counts as over its
+bound (:func:`a3po.algorithms.guard.over`), so the policy acts (``recompute`` trains the step on the
+exact anchor, which holds where the approximation broke), and an exact forward that is itself
+non-finite stops the run there with a line naming the step and the guard (no anchor is left to
+train on).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from a3po.algorithms.guard import GUARD_POLICIES, GuardBounds, GuardPolicy, approximation_stats, breaches
+from a3po.algorithms.checks import NonFiniteError
+from a3po.algorithms.guard import GUARD_POLICIES, GuardBounds, GuardPolicy, approximation_stats, breaches, over
 from a3po.algorithms.proximal import ProximalMethod, ProxInputs
 from a3po.config import RLConfig
 from a3po.devices import synchronize
@@ -71,15 +78,23 @@ class ApproximationGuard:
             exact = token_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows], cfg.temperature,
                                    start=batch.prompt_len, share_prompt=cfg.shared_prompt_forward)
         mask, behav = batch.response_mask[rows], batch.behav_logp[rows]
-        # The step's first minibatch trains on these weights, so its training forward is `exact` here.
-        approx, _ = method(ProxInputs(behav, exact, staleness[rows], mask, recompute_logp=lambda: exact))
-        local = approximation_stats(approx, exact, behav, mask)
-        stats, reasons = ranks.from_main([local, breaches(local, self.bounds)])
+        bad_exact = int((~torch.isfinite(exact) & mask.bool()).sum())
+        local: dict[str, float] = {}
+        if not bad_exact:
+            # The step's first minibatch trains on these weights, so its training forward is `exact` here.
+            approx, _ = method(ProxInputs(behav, exact, staleness[rows], mask, recompute_logp=lambda: exact))
+            local = approximation_stats(approx, exact, behav, mask)
+        stats, reasons, bad_exact = ranks.from_main([local, breaches(local, self.bounds) if local else [], bad_exact])
+        if bad_exact:  # no anchor to fall back on: the weights being trained give NaN or inf themselves
+            raise NonFiniteError(
+                f"step {version + 1}: the guard's exact forward (rl.guard_every {self.every}: the weights before the "
+                f"update) gave {bad_exact} non-finite log-prob(s) of the {int(mask.sum())} generated tokens checked; "
+                "the policy cannot train on them, the run stops, its checkpoints hold the steps before")
         synchronize(device)
         metrics = {**stats, "guard/fired": float(bool(reasons)), "guard/recomputed": 0.0, "guard/tightened": 0.0,
-                   # the reason, as MLflow shows it: which bound was crossed
-                   "guard/over_max_err": float(stats["guard/abs_err_p99"] > self.bounds.max_err),
-                   "guard/over_max_iw": float(stats["guard/behav_iw_p99"] > self.bounds.max_iw),
+                   # the reason, as MLflow shows it: which bound was crossed (a NaN figure counts as crossed)
+                   "guard/over_max_err": float(over(stats["guard/abs_err_p99"], self.bounds.max_err)),
+                   "guard/over_max_iw": float(over(stats["guard/behav_iw_p99"], self.bounds.max_iw)),
                    "guard/time_s": time.perf_counter() - t0}
         verdict = GuardVerdict(metrics, reasons, self.policy if reasons else None)
         if reasons:
@@ -105,8 +120,8 @@ class ApproximationGuard:
     def _crossed(self, stats: dict[str, float]) -> dict[str, float]:
         """The figures of ``stats`` past their bounds, each with its bound."""
         out = {}
-        if stats["guard/abs_err_p99"] > self.bounds.max_err:
+        if over(stats["guard/abs_err_p99"], self.bounds.max_err):
             out.update({"guard/abs_err_p99": stats["guard/abs_err_p99"], "rl.guard_max_err": self.bounds.max_err})
-        if stats["guard/behav_iw_p99"] > self.bounds.max_iw:
+        if over(stats["guard/behav_iw_p99"], self.bounds.max_iw):
             out.update({"guard/behav_iw_p99": stats["guard/behav_iw_p99"], "rl.guard_max_iw": self.bounds.max_iw})
         return out

@@ -8,6 +8,7 @@ Greedy pass@1 is logged beside it (``eval/heldout_greedy_acc``).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,14 @@ def heldout_completions(
     seed: int = 0,
     batch_size: int = 64,
     style: PromptStyle = PromptStyle(),
+    cancel: threading.Event | None = None,
 ) -> tuple[list[str], list[float]]:
     """``samples`` completions per row of ``rows`` (greedy when temperature is 0), prompts
-    formatted by ``style`` as in training, and their grader scores: row-major lists."""
+    formatted by ``style`` as in training, and their grader scores: row-major lists. ``cancel``:
+    see :func:`a3po.rollout.torch_engine.generate_text`."""
     prompts = [style.render(r["prompt"], tokenizer) for r in rows for _ in range(samples)]
     params = SamplingParams(max_new_tokens, temperature=temperature)
-    completions = generate_text(model, tokenizer, prompts, params, seed=seed, batch_size=batch_size)
+    completions = generate_text(model, tokenizer, prompts, params, seed=seed, batch_size=batch_size, cancel=cancel)
     golds = [r["gold"] for r in rows for _ in range(samples)]
     ids = [r["id"] for r in rows for _ in range(samples)]
     return completions, score_completions(task, completions, golds, ids)
@@ -66,27 +69,30 @@ def heldout_accuracy(
     seed: int = 0,
     batch_size: int = 64,
     style: PromptStyle = PromptStyle(),
+    cancel: threading.Event | None = None,
 ) -> float:
     """Mean grader score over ``rows`` x ``samples`` completions (greedy when temperature is 0),
     prompts formatted by ``style`` as in training."""
     _, scores = heldout_completions(model, tokenizer, rows, task, max_new_tokens, temperature, samples, seed,
-                                    batch_size, style)
+                                    batch_size, style, cancel)
     return sum(scores) / len(scores)
 
 
-def heldout_evaluation(model, tokenizer, rows: list[dict], cfg) -> HeldOutEvaluation:
+def heldout_evaluation(model, tokenizer, rows: list[dict], cfg,
+                       cancel: threading.Event | None = None) -> HeldOutEvaluation:
     """The trainer's held-out figures for a :class:`a3po.config.TrainConfig`: sampled mean@n at
     the training temperature (``eval/heldout_acc``) and greedy pass@1, with the greedy answers.
     The sampling seed is fixed, not the run's: every variant and checkpoint is scored on the same
     random numbers, which takes sampling noise out of the comparison. It decodes from weights in the
     run's decoding dtype (:func:`a3po.config.plan.decoding_dtype`: a bf16 copy of an autocast policy
     under ``dtype: auto`` where bf16 is native), so the step-0, in-run and final figures are taken
-    alike, as the rollouts are."""
+    alike, as the rollouts are. ``cancel``: see :func:`a3po.rollout.torch_engine.generate_text`."""
     model = decoding_copy(model, decoding_dtype(cfg, machine_precision(cfg.dtype, model_device(model))).torch)
     rl, style = cfg.rl, prompt_style(cfg.data)
     sampled = heldout_accuracy(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, rl.temperature,
-                               rl.eval_samples, seed=0, style=style)
-    greedy, scores = heldout_completions(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style)
+                               rl.eval_samples, seed=0, style=style, cancel=cancel)
+    greedy, scores = heldout_completions(model, tokenizer, rows, cfg.data.task, rl.max_new_tokens, style=style,
+                                         cancel=cancel)
     figures = {"eval/heldout_acc": sampled, "eval/heldout_greedy_acc": sum(scores) / len(scores)}
     return HeldOutEvaluation(figures, greedy, scores)
 

@@ -229,6 +229,7 @@ def rl_train(
                 saved = save_rank_checkpoint(ckpt_dir, snapshot, policy, updater, ranks, keep=rl.keep_checkpoints)
                 last_ckpt = saved or last_ckpt
     finally:
+        evaluations.close()  # a stop with an evaluation in flight ends as it does inline
         producer.stop()
         for ext in extensions:  # scorer threads end before the producer is joined
             ext.close()

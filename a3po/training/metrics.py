@@ -47,6 +47,7 @@ the step's batch, all minibatches together.
                                         it puts into the behaviour weight
 ``guard/behav_iw_p99|max``              ... the exact behaviour weight pi_prox / pi_behav
 ``guard/tokens``                        ... how many tokens were compared
+``guard/nonfinite_tokens``              ... how many of them held NaN or inf (any: fired)
 ``guard/fired``                         1 when a bound was crossed (``rl.guard_max_err``,
                                         ``rl.guard_max_iw``; the reason goes to the
                                         ``a3po.guard`` log and a row of the run's actions:
@@ -54,6 +55,7 @@ the step's batch, all minibatches together.
 ``guard/over_max_err|over_max_iw``      ... which bound: 1 where ``guard/abs_err_p99``
                                         passed ``rl.guard_max_err``, resp.
                                         ``guard/behav_iw_p99`` passed ``rl.guard_max_iw``
+                                        (a NaN figure counts as passed)
 ``guard/recomputed``                    1 when the step then trained on the recomputed
                                         anchor (``rl.guard_policy: recompute``)
 ``guard/tightened``                     1 when the staleness bound was lowered by one

@@ -248,3 +248,27 @@ def test_benchmark_files_refuse_a_lone_surrogate_naming_the_row(tmp_path):
     js.write_text(json.dumps(rows))
     with pytest.raises(SchemaError, match=rf"^{js}: row 2: field 'question': not UTF-8 text"):
         load_benchmark("gsm8k", js)
+
+
+def _record(arm: str, seed: int, rewards: list[float]) -> dict:
+    return {"arm": arm, "variant": arm, "seed": seed, "history": [{"reward/mean": r} for r in rewards]}
+
+
+def test_parity_is_not_judged_between_references_whose_reward_did_not_move():
+    from tasks.parity import MIN_REFERENCE_GAIN, references_moved
+
+    # Ten steps, smooth_frac 0.2: start = the first two steps' mean, final = the last two's.
+    rose = [0.1, 0.1, 0.2, 0.3, 0.3, 0.4, 0.4, 0.4, 0.4, 0.4]  # +0.3
+    flat_high = [0.6] * 10  # a high reward that never moved: its final figure alone looks healthy
+    candidate = _record("loglinear", 0, [0.0] * 10)  # a candidate that learned nothing is not the reference
+    assert references_moved([candidate, _record("recompute", 0, rose)], ["recompute"], 0.2) is None
+    why = references_moved([candidate, _record("recompute", 0, flat_high)], ["recompute"], 0.2)
+    assert why.startswith("the references (recompute) moved their reward +0.000 from their first steps (mean over 1 run(s))")
+    # The mean over the references' runs: +0.3 and -0.3 average to nothing moved.
+    fell = list(reversed(rose))
+    assert "+0.000" in references_moved([_record("recompute", 0, rose), _record("sync", 0, fell)], ["recompute", "sync"], 0.2)
+    # Just under the bound is not enough; at it, it is.
+    under = [0.1, 0.1] + [0.1 + MIN_REFERENCE_GAIN - 0.01] * 8
+    at = [0.1, 0.1] + [0.1 + MIN_REFERENCE_GAIN + 1e-9] * 8
+    assert references_moved([_record("recompute", 0, under)], ["recompute"], 0.2) is not None
+    assert references_moved([_record("recompute", 0, at)], ["recompute"], 0.2) is None

@@ -309,3 +309,33 @@ def test_a_child_run_records_what_dtype_auto_resolved_to(store, monkeypatch, fla
     assert tags["a3po.precision"] == want
     assert (flag or "neither amx_bf16 nor avx512_bf16") in tags["a3po.precision_reason"]
     assert client.get_run(run_id).data.params["dtype"] == "auto"  # the config as asked, beside what it resolved to
+
+
+def test_time_to_target_reads_the_smoothed_curve_not_the_raw_one():
+    # One lucky early step: the raw reward crosses 0.6 at step 2 (10 s), the trailing mean of 2 steps
+    # (smooth_frac 0.2 of 10 steps) only at step 6: 0, .45, .45, .1, .4, .65 (60 s).
+    rewards = [0.0, 0.9, 0.0, 0.2, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9]
+    history = [{"reward/mean": r, "time/train_wall_s": 10.0 * (i + 1)} for i, r in enumerate(rewards)]
+    assert time_to_target(history, 0.6, smooth_frac=0.2) == 60.0
+    assert time_to_target(history, 0.95, smooth_frac=0.2) is None  # never reached: None, not the last time
+
+
+def test_the_bootstrap_interval_is_the_percentile_interval_of_resampled_means():
+    # Diffs [0, 1, 1, 1]: a resample's mean is (4 - j) / 4 for j zeros drawn, j ~ Bin(4, 1/4):
+    # P(mean 0) = 1/256, P(0.25) = 12/256 (cumulative 0.051), P(1) = (3/4)^4 = 0.316. So the 2.5%
+    # quantile is 0.25 and the 97.5% one is 1.0. A normal interval (0.75 -+ 1.96 * 0.25) gives
+    # 0.26..1.24; the quantiles of the diffs themselves give 0..1.
+    mean, low, high = paired_bootstrap_ci([0.0, 1.0, 1.0, 1.0], n_boot=10_000, confidence=0.95)
+    assert (mean, low, high) == (0.75, 0.25, 1.0)
+
+
+def test_the_shortfall_rule_fails_a_shortfall_only_never_a_gain():
+    # sigma 0.04, K 4 seeds, mu_h exact (no calibration seeds): h = 1.6449 * 0.04 / 2 = 0.0329.
+    # One-sided: a candidate far better than healthy passes (a two-sided test would flag it), one
+    # just past -h fails, one just inside passes.
+    assert shortfall_test([0.3] * 4, 0.04, 0.95)[4] is True
+    assert shortfall_test([-0.0330] * 4, 0.04, 0.95)[4] is False
+    assert shortfall_test([-0.0328] * 4, 0.04, 0.95)[4] is True
+    # Against a healthy mean of -0.02 the line moves down with it: -0.052 passes, -0.054 fails.
+    assert shortfall_test([-0.052] * 4, 0.04, 0.95, healthy_mean=-0.02)[4] is True
+    assert shortfall_test([-0.054] * 4, 0.04, 0.95, healthy_mean=-0.02)[4] is False

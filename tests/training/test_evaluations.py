@@ -291,3 +291,42 @@ def test_a_snapshot_is_the_model_as_it_was(core_one_thread):
         assert not torch.equal(moved, kept)
         fresh = apply_lora(build_tiny_model("micro", WORDS, seed=0)[0], LoraConfig(r=4, alpha=8.0))
         assert torch.equal(kept, fresh(ids).logits)  # the copy computes what the policy did when it was taken
+
+
+def test_a_stop_with_an_evaluation_in_flight_cancels_it_and_joins_its_thread(core_one_thread, core_stub_rewards,
+                                                                            tmp_path, monkeypatch):
+    # Version 1's evaluation is held till it is cancelled, so it runs when the trainer stops right after
+    # starting it (step 1's report); it then decodes for real and must stop at its first token.
+    # A thread left running here is one left in torch code at interpreter exit: a native abort.
+    real, seen = evaluations.heldout_evaluation, []
+
+    def held_till_cancelled(*args, cancel=None, **kwargs):
+        if threading.current_thread().name == "heldout-eval-1":
+            assert cancel is not None and cancel.wait(120), "the trainer never cancelled the evaluation in flight"
+            try:
+                return real(*args, cancel=cancel, **kwargs)
+            except BaseException as e:
+                seen.append(type(e).__name__)
+                raise
+        return real(*args, cancel=cancel, **kwargs)
+
+    monkeypatch.setattr(evaluations, "heldout_evaluation", held_till_cancelled)
+    with pytest.raises(Crash):
+        _run(tmp_path, "background", progress=crash_after(1))
+    assert not _eval_threads()
+    assert seen == ["DecodingCancelled"]
+
+
+def test_a_cancelled_decoding_stops_at_its_next_token_and_an_unset_event_changes_nothing():
+    from a3po.rollout.torch_engine import DecodingCancelled, generate_text
+    from a3po.rollout.types import SamplingParams
+
+    model, tok = build_tiny_model("micro", WORDS, seed=0)
+    params = SamplingParams(6, temperature=1.0)
+    prompts = ["1 + 2 =", "3 + 4 ="]
+    assert generate_text(model, tok, prompts, params, seed=3, cancel=threading.Event()) == \
+        generate_text(model, tok, prompts, params, seed=3)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(DecodingCancelled, match="at token 0"):
+        generate_text(model, tok, prompts, params, seed=3, cancel=stop)

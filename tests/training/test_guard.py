@@ -114,7 +114,7 @@ def setup():
     return model, scored, sampler, moved
 
 
-def _step(model, weights, scored, version=2, proximal=None, guard_every=0, policy="warn", minibatches=2):
+def _step(model, weights, scored, version=2, proximal=None, guard_every=0, policy="warn", minibatches=2, method=None):
     cfg = RLConfig(variant=Variant.LOGLINEAR, batch_prompts=N_PROMPTS, group_size=GROUP, max_new_tokens=MAX_NEW,
                    temperature=1.0, minibatches=minibatches, shared_prompt_forward=False, proximal=proximal,
                    guard_every=guard_every, guard_policy=policy, max_staleness=4)
@@ -125,7 +125,7 @@ def _step(model, weights, scored, version=2, proximal=None, guard_every=0, polic
     handle = model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs["input_ids"].shape[0]),
                                              with_kwargs=True)
     try:
-        metrics = train_step(model, opt, scored, version, cfg, PROXIMAL_METHODS.get(proximal or "loglinear"),
+        metrics = train_step(model, opt, scored, version, cfg, method or PROXIMAL_METHODS.get(proximal or "loglinear"),
                              guard=guard)
     finally:
         handle.remove()
@@ -169,6 +169,57 @@ def test_warn_logs_the_reason_and_recompute_trains_the_step_on_the_exact_anchor(
     # The step trained on recompute's anchor: its loss is recompute's (same forwards, same weights).
     assert fixed["loss/policy"] == pytest.approx(recompute["loss/policy"], rel=1e-6, abs=1e-8)
     assert len(calls_fixed) == len(calls_warn) + 1  # + the full-batch forward, on this step only
+
+
+def test_a_check_that_cannot_compute_its_figure_fires_never_passes():
+    # 200 tokens, one approximate log-prob NaN: sorted last, it sits above the p99, which stays small
+    # and finite, so a rule reading the quantiles alone passes the step.
+    exact = torch.full((1, 200), -1.0)
+    approx = exact.clone()
+    approx[0, 7] = float("nan")
+    s = approximation_stats(approx, exact, exact, torch.ones(1, 200, dtype=torch.bool))
+    assert math.isfinite(s["guard/abs_err_p99"]) and s["guard/abs_err_p99"] < 0.5
+    assert s["guard/nonfinite_tokens"] == 1.0
+    assert breaches(s, GuardBounds(max_err=0.5, max_iw=5.0)) == [
+        "guard/nonfinite_tokens 1 of 200 checked: the anchor or behaviour log-probs hold NaN or inf"]
+    # A NaN figure itself (NaN > bound is false): over its bound, named as NaN.
+    nan = {"guard/abs_err_p99": float("nan"), "guard/behav_iw_p99": 1.0, "guard/tokens": 4.0}
+    assert breaches(nan, GuardBounds(max_err=0.5, max_iw=5.0)) == [
+        "guard/abs_err_p99 is NaN (the anchors compared hold NaN or inf): counted as over rl.guard_max_err 0.5"]
+
+
+def test_a_nan_anchor_fires_the_guard_and_recompute_trains_the_step_on_the_exact_one(setup):
+    model, scored, sampler, _ = setup
+    loglinear = PROXIMAL_METHODS.get("loglinear")
+
+    class Broken:  # loglinear, whose approximation breaks on one token; the exact forward is sound
+        needs_forward, checks_behaviour, single_update = (loglinear.needs_forward, loglinear.checks_behaviour,
+                                                          loglinear.single_update)
+
+        def __call__(self, inputs):
+            approx, info = loglinear(inputs)
+            approx = approx.clone()
+            approx[tuple(inputs.mask.bool().nonzero()[0].tolist())] = float("nan")
+            return approx, info
+
+    broken = Broken()
+
+    recompute, _ = _step(model, sampler, scored, proximal="recompute")
+    fixed, _ = _step(model, sampler, scored, guard_every=1, policy="recompute", method=broken)
+    assert fixed["guard/fired"] == fixed["guard/recomputed"] == 1.0 and fixed["guard/nonfinite_tokens"] == 1.0
+    assert fixed["loss/policy"] == pytest.approx(recompute["loss/policy"], rel=1e-6, abs=1e-8)
+
+
+def test_an_exact_forward_that_is_not_finite_stops_the_step_naming_it_and_the_guard(setup, monkeypatch):
+    import a3po.training.guard as guard_module
+    from a3po.algorithms.checks import NonFiniteError
+
+    model, scored, sampler, _ = setup
+    real = guard_module.token_logprobs
+    monkeypatch.setattr(guard_module, "token_logprobs", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(NonFiniteError, match=r"^step 3: the guard's exact forward \(rl.guard_every 1: .* gave \d+ "
+                                             r"non-finite log-prob\(s\)"):
+        _step(model, sampler, scored, guard_every=1, policy="recompute")
 
 
 # --- micro runs ----------------------------------------------------------------------------------
