@@ -3,7 +3,7 @@
 line on stderr, never a native abort ("terminate called without an active exception", exit 134)
 from an evaluation thread left in torch code at interpreter exit.
 
-The evaluation is made long (1000 held-out rows x 8 samples on ``micro``) so that it is in flight
+The evaluation is made long (400 held-out rows x 8 samples on ``micro``) so that it is in flight
 when the stop comes: a full disk (a real EFBIG: the file-size limit below a checkpoint's file) at
 the step-2 checkpoint, whose own evaluation has just started; Ctrl-C (SIGINT) once step 3's line
 is out, with step 2's evaluation running.
@@ -23,7 +23,7 @@ import yaml
 from tests.support.cli_runs import train_command
 
 REPO = Path(__file__).resolve().parents[2]
-BACKGROUND = {"data": {"n_heldout": 1000},
+BACKGROUND = {"data": {"n_heldout": 400},
               "rl": {"steps": 6, "eval_every": 2, "checkpoint_every": 2, "eval_samples": 8, "eval_mode": "background"}}
 
 
