@@ -18,12 +18,17 @@ seconds, not a warm start:
   held-out samples, the weights with their optimizer state), estimated from the sizes in the
   config, must fit in the memory of the device that trains. The estimate counts only what a run
   cannot avoid holding at once, so a refused config would fail for certain; a config it passes
-  may still run short (activations, the allocator's slack).
+  may still run short (activations, the allocator's slack);
+* disk (where the run folder is known, :func:`check_disk`): what the run folder must hold at
+  least (``rl.keep_checkpoints`` checkpoints of the weights, their AdamW state and the newest
+  version's weights, and the final model) must fit in the free space of its file system, counting
+  what the folder holds already (a resumed run replaces its checkpoints); a lower bound likewise.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -187,6 +192,43 @@ def check_memory(cfg: TrainConfig, config, model: torch.nn.Module, total: int | 
         raise ConfigError(f"{big.fields}: a run needs at least {need / GIB:.3g} GiB ({big.what} "
                           f"alone {big.nbytes / GIB:.3g} GiB), more than the {total / GIB:.3g} GiB "
                           f"of {kind} here; lower them")
+
+
+def disk_terms(cfg: TrainConfig, model: torch.nn.Module) -> list[MemoryTerm]:
+    """What a run folder of ``cfg`` on this model holds at least, by file."""
+    weight_width = 2 if cfg.dtype.value == "bfloat16" else 4
+    n_params = sum(p.numel() for p in model.parameters())
+    trained = n_params if cfg.model.lora is None else sum(
+        cfg.model.lora.r * (i + o) for n, (i, o) in linear_shapes(model).items()
+        if n.rsplit(".", 1)[-1] in cfg.model.lora.target_modules)
+    keep = cfg.rl.keep_checkpoints
+    return [
+        MemoryTerm("the checkpoints' weights and newest weight version", "rl.keep_checkpoints",
+                   keep * 2 * n_params * weight_width),
+        MemoryTerm("the checkpoints' AdamW state (two fp32 moments per trained weight)", "rl.keep_checkpoints",
+                   keep * trained * 8),
+        MemoryTerm("the final model", "model.name", n_params * weight_width),
+    ]
+
+
+def _held(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def check_disk(cfg: TrainConfig, run_dir: Path, words: Sequence[str] | None = None, free: int | None = None) -> None:
+    """ConfigError naming the fields when :func:`disk_terms` exceed the free bytes of
+    ``run_dir``'s file system (``free``; default: measured) plus what ``run_dir`` holds now.
+    ``words``: as :func:`check_model`'s."""
+    _, model = model_config(cfg.model.name, words)
+    terms = disk_terms(cfg, model)
+    need = sum(t.nbytes for t in terms)
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    room = (shutil.disk_usage(existing).free if free is None else free) + _held(run_dir)
+    if need > room:
+        big = max(terms, key=lambda t: t.nbytes)
+        raise ConfigError(f"{big.fields}: the run folder {run_dir} needs at least {need / GIB:.3g} GiB ({big.what} "
+                          f"alone {big.nbytes / GIB:.3g} GiB), more than the {room / GIB:.3g} GiB free there; make "
+                          "room or write the run elsewhere (--output-dir)")
 
 
 def check_model(cfg: TrainConfig, words: Sequence[str] | None = None) -> TrainConfig:

@@ -28,7 +28,7 @@ from a3po.devices import (
     resolve_device,
     set_autocast,
 )
-from a3po.models.checks import check_model
+from a3po.models.checks import check_disk, check_model
 from a3po.models.factory import load_model, load_pretrained
 from a3po.models.lora import is_lora, merged_model
 from a3po.oppo.intra import IntraScoring
@@ -155,6 +155,7 @@ def train_variant(
     run_dir = Path(run_dir)
     refuse_finished_without_checkpoints(run_dir)
     preflight(cfg)  # a worker given a config built elsewhere: the engine's package, DeepSpeed and its JSON are here
+    check_disk(cfg, run_dir, WORDS)  # the run folder's checkpoints fit, before anything is loaded
     torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
