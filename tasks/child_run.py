@@ -2,7 +2,8 @@
 in the flow's process (:func:`tasks.training.train_arm`) or as launched ranks (:mod:`tasks.launched`).
 
 A child run sits under the flow's parent run, tagged with its arm, seed, run folder, config hash
-and topology. A Prefect retry reuses the child run of its flow run (steps already logged are not
+and topology, with its train and held-out sets as MLflow dataset inputs (name, source path, content
+digest, rows: :func:`dataset_inputs`). A Prefect retry reuses the child run of its flow run (steps already logged are not
 logged again); a new flow run gets a new child run and marks the killed one KILLED. At the end the
 run gets its ``final/...`` metrics, the run folder's completion tables (:mod:`tasks.completions`) and
 its actions table (:mod:`tasks.actions`); a failure marks it FAILED without hiding the error.
@@ -16,15 +17,20 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from mlflow.entities import Dataset, DatasetInput, InputTag
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
 from a3po.config import TrainConfig, config_to_dict
 from a3po.devices import machine_precision, resolve_device
 from a3po.storage.checkpoint import atomic_write_text
+from a3po.storage.content import sha256_file
 from a3po.training.inputs import input_hashes
 from a3po.training.records import HISTORY_FILE, history_text
 from infra.launch import LaunchSpec
 from tasks.actions import log_action_table
 from tasks.arms import Arm
 from tasks.completions import log_completion_tables
+from tasks.runtime import run_logger
 from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
@@ -89,7 +95,39 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
     }
     run_id = create_run(client, ref.experiment_id, run_dir.name, tags, config_to_dict(cfg), parent_run_id=ref.parent_run_id)
     log_metrics_now(client, run_id, {"eval/heldout_acc": warmstart_acc}, step=0)
+    log_datasets(client, run_id, cfg)
     return run_id, 0
+
+
+DIGEST_CHARS = 36  # MLflow's dataset digest column holds 36 characters: the sha256's first 36 hex digits
+
+
+def dataset_inputs(cfg: TrainConfig) -> list[DatasetInput]:
+    """The run's train and held-out sets (``data.train_path``, ``data.heldout_path``: in a flow the
+    prepared JSONL files) as MLflow dataset inputs: name, source path, content digest (the file's
+    sha256, as the caches key it) and row count. None for the embedded task generated in memory."""
+    out = []
+    for name, context, path in (("train", "training", cfg.data.train_path), ("heldout", "evaluation", cfg.data.heldout_path)):
+        if not path:
+            continue
+        with open(path, "rb") as f:
+            rows = sum(1 for line in f if line.strip())
+        dataset = Dataset(name=f"{name}.jsonl", digest=sha256_file(path)[:DIGEST_CHARS], source_type="local",
+                          source=json.dumps({"uri": str(Path(path).resolve())}), profile=json.dumps({"num_rows": rows}))
+        out.append(DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+    return out
+
+
+def log_datasets(client, run_id: str, cfg: TrainConfig) -> None:
+    """Record :func:`dataset_inputs` on the run; a store that refuses them costs a warning, never the training."""
+    inputs = dataset_inputs(cfg)
+    if not inputs:
+        return
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception as e:  # noqa: BLE001 - an old server or a store without datasets: the run goes on
+        run_logger().warning(f"MLflow run {run_id}: the dataset inputs ({', '.join(i.dataset.name for i in inputs)}) "
+                             f"were not recorded: {type(e).__name__}: {e}")
 
 
 def run_topology(cfg: TrainConfig, spec: LaunchSpec | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ on SQLite) and a real MLflow store (SQLite in tmp_path), micro preset.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -83,6 +84,16 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
             assert len(client.get_metric_history(child["run_id"], key)) == 6, key
         acc = [(m.step, m.value) for m in client.get_metric_history(child["run_id"], "eval/heldout_acc")]
         assert [s for s, _ in acc] == [0, 2, 4, 6]  # warm start, then every eval_every=2 steps
+        # The data it trained and was evaluated on, as MLflow dataset inputs: the prepared files, by content.
+        inputs = {i.dataset.name: i for i in client.get_run(child["run_id"]).inputs.dataset_inputs}
+        assert sorted(inputs) == ["heldout.jsonl", "train.jsonl"]
+        for name, context in (("train.jsonl", "training"), ("heldout.jsonl", "evaluation")):
+            ds = inputs[name].dataset
+            path = Path(json.loads(ds.source)["uri"])
+            assert path.name == name and path.is_file()
+            assert ds.digest == hashlib.sha256(path.read_bytes()).hexdigest()[:36]
+            assert json.loads(ds.profile)["num_rows"] == len(path.read_text().splitlines())
+            assert {t.key: t.value for t in inputs[name].tags}["mlflow.data.context"] == context
         # The independent evaluation of the exported checkpoint equals the trainer's last evaluation
         # (same weights, same fixed sampling seed).
         assert child["metrics.eval/final/heldout_acc"] == acc[-1][1] == child["metrics.final/heldout_acc"]

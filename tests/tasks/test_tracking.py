@@ -339,3 +339,26 @@ def test_the_shortfall_rule_fails_a_shortfall_only_never_a_gain():
     # Against a healthy mean of -0.02 the line moves down with it: -0.052 passes, -0.054 fails.
     assert shortfall_test([-0.052] * 4, 0.04, 0.95, healthy_mean=-0.02)[4] is True
     assert shortfall_test([-0.054] * 4, 0.04, 0.95, healthy_mean=-0.02)[4] is False
+
+
+def test_a_store_that_refuses_dataset_inputs_costs_a_warning_never_the_run(tmp_path, caplog):
+    import logging
+
+    from a3po.config import preset, with_overrides
+    from tasks.child_run import dataset_inputs, log_datasets
+
+    (tmp_path / "train.jsonl").write_text('{"a": 1}\n{"a": 2}\n\n')
+    (tmp_path / "heldout.jsonl").write_text('{"a": 3}\n')
+    cfg = with_overrides(preset("micro"), data={"train_path": str(tmp_path / "train.jsonl"),
+                                                 "heldout_path": str(tmp_path / "heldout.jsonl")})
+    assert [(i.dataset.name, json.loads(i.dataset.profile)["num_rows"]) for i in dataset_inputs(cfg)] == [
+        ("train.jsonl", 2), ("heldout.jsonl", 1)]
+    assert dataset_inputs(preset("micro")) == []  # the embedded task: generated in memory, no file to name
+
+    class Refusing:
+        def log_inputs(self, run_id, datasets=None):
+            raise RuntimeError("INVALID_PARAMETER_VALUE: datasets are not supported by this server")
+
+    with caplog.at_level(logging.WARNING, logger="a3po.tasks"):
+        log_datasets(Refusing(), "run-1", cfg)
+    assert "MLflow run run-1: the dataset inputs (train.jsonl, heldout.jsonl) were not recorded: RuntimeError" in caplog.text
