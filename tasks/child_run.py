@@ -17,29 +17,28 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Dataset, DatasetInput, InputTag
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.entities import DatasetInput
 
 from a3po.config import TrainConfig, config_to_dict
 from a3po.devices import machine_precision, resolve_device
 from a3po.storage.checkpoint import atomic_write_text
-from a3po.storage.content import sha256_file
 from a3po.training.inputs import input_hashes
 from a3po.training.records import HISTORY_FILE, history_text
 from infra.launch import LaunchSpec
 from tasks.actions import log_action_table
 from tasks.arms import Arm
 from tasks.completions import log_completion_tables
-from tasks.runtime import run_logger
 from tasks.summary import final_reward
 from tasks.tracking import (
     MlflowMetricLogger,
     TrackingRef,
     client_for,
     create_run,
+    file_dataset,
     find_runs,
     kill_stale_runs,
     last_logged_step,
+    log_dataset_inputs,
     log_metrics_now,
     prefect_ids,
     short_client_retries,
@@ -99,35 +98,18 @@ def open_child_run(ref: TrackingRef, cfg: TrainConfig, run_dir: Path, warmstart_
     return run_id, 0
 
 
-DIGEST_CHARS = 36  # MLflow's dataset digest column holds 36 characters: the sha256's first 36 hex digits
-
-
 def dataset_inputs(cfg: TrainConfig) -> list[DatasetInput]:
     """The run's train and held-out sets (``data.train_path``, ``data.heldout_path``: in a flow the
-    prepared JSONL files) as MLflow dataset inputs: name, source path, content digest (the file's
-    sha256, as the caches key it) and row count. None for the embedded task generated in memory."""
-    out = []
-    for name, context, path in (("train", "training", cfg.data.train_path), ("heldout", "evaluation", cfg.data.heldout_path)):
-        if not path:
-            continue
-        with open(path, "rb") as f:
-            rows = sum(1 for line in f if line.strip())
-        dataset = Dataset(name=f"{name}.jsonl", digest=sha256_file(path)[:DIGEST_CHARS], source_type="local",
-                          source=json.dumps({"uri": str(Path(path).resolve())}), profile=json.dumps({"num_rows": rows}))
-        out.append(DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
-    return out
+    prepared JSONL files) as MLflow dataset inputs (:func:`tasks.tracking.file_dataset`). None for
+    the embedded task generated in memory."""
+    return [file_dataset(path, f"{name}.jsonl", context)
+            for name, context, path in (("train", "training", cfg.data.train_path),
+                                        ("heldout", "evaluation", cfg.data.heldout_path)) if path]
 
 
 def log_datasets(client, run_id: str, cfg: TrainConfig) -> None:
-    """Record :func:`dataset_inputs` on the run; a store that refuses them costs a warning, never the training."""
-    inputs = dataset_inputs(cfg)
-    if not inputs:
-        return
-    try:
-        client.log_inputs(run_id, datasets=inputs)
-    except Exception as e:  # noqa: BLE001 - an old server or a store without datasets: the run goes on
-        run_logger().warning(f"MLflow run {run_id}: the dataset inputs ({', '.join(i.dataset.name for i in inputs)}) "
-                             f"were not recorded: {type(e).__name__}: {e}")
+    """Record :func:`dataset_inputs` on the run (:func:`tasks.tracking.log_dataset_inputs`)."""
+    log_dataset_inputs(client, run_id, dataset_inputs(cfg))
 
 
 def run_topology(cfg: TrainConfig, spec: LaunchSpec | None) -> dict[str, Any]:

@@ -153,6 +153,7 @@ def evaluate(
                     metrics[f"eval/final/{bench}/{k.replace('@', '_at_')}"] = float(v)
         results_path = res.get("paths", {}).get("results")
     return {"metrics": metrics, "skipped": skipped, "benchmarks": ok, "results_path": results_path, "model_dir": model_dir,
+            "benchmark_files": {b: str(_bench_file(b, data_dir)) for b in ok} if data_dir else {},
             "dtype": dtype.value, "seconds": time.perf_counter() - t0}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import logging
 import os
 import socket
@@ -35,10 +36,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
+from mlflow.entities import Dataset, DatasetInput, InputTag
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from a3po.redact import mask_uri
+from a3po.storage.content import sha256_file
 from a3po.storage.runlock import in_use_by_another
 from a3po.training.metrics import valid_metric_key
 from tasks.runtime import run_logger, sqlite_path
@@ -472,13 +476,41 @@ def close_parent_run_quietly(ref: TrackingRef, status: str = "FAILED", timeout_s
                              "the next run of this output dir marks it KILLED")
 
 
+DIGEST_CHARS = 36  # MLflow's dataset digest column holds 36 characters: the sha256's first 36 hex digits
+
+
+def file_dataset(path: str | Path, name: str, context: str) -> DatasetInput:
+    """A data file as an MLflow dataset input: ``name``, its source path, its content digest (the
+    file's sha256, as the project's caches key it) and its row count (non-empty lines; a JSON file
+    counts as one), used in ``context`` (``training``, ``evaluation``)."""
+    with open(path, "rb") as f:
+        rows = sum(1 for line in f if line.strip())
+    dataset = Dataset(name=name, digest=sha256_file(path)[:DIGEST_CHARS], source_type="local",
+                      source=json.dumps({"uri": str(Path(path).resolve())}), profile=json.dumps({"num_rows": rows}))
+    return DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])
+
+
+def log_dataset_inputs(client, run_id: str, inputs: list[DatasetInput]) -> None:
+    """Record ``inputs`` on the run; a store that refuses them costs a warning naming them, never the run."""
+    if not inputs:
+        return
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception as e:  # noqa: BLE001 - an old server or a store without datasets: the run goes on
+        run_logger().warning(f"MLflow run {run_id}: the dataset inputs ({', '.join(i.dataset.name for i in inputs)}) "
+                             f"were not recorded: {type(e).__name__}: {e}")
+
+
 @task(cache_policy=NO_CACHE)
 def log_evaluation(ref: TrackingRef, run_id: str, evaluation: dict[str, Any]) -> None:
     """Evaluation metrics (``eval/final/...``) on the variant's child run, the weights' dtype they
-    were decoded from as the ``eval.dtype`` tag; skipped benchmarks become ``eval.skipped.<name>``
-    tags carrying the reason."""
+    were decoded from as the ``eval.dtype`` tag, the benchmark files as dataset inputs
+    (:func:`file_dataset`); skipped benchmarks become ``eval.skipped.<name>`` tags carrying the reason."""
     client = client_for(ref.tracking_uri)
     log_metrics_now(client, run_id, evaluation["metrics"], step=evaluation.get("step", 0))
+    files = evaluation.get("benchmark_files") or {}
+    log_dataset_inputs(client, run_id, [file_dataset(path, f"{bench}:{Path(path).name}", "evaluation")
+                                        for bench, path in sorted(files.items()) if Path(path).is_file()])
     if evaluation.get("dtype"):
         client.set_tag(run_id, "eval.dtype", evaluation["dtype"])
     for name, reason in evaluation.get("skipped", {}).items():

@@ -86,11 +86,14 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         assert [s for s, _ in acc] == [0, 2, 4, 6]  # warm start, then every eval_every=2 steps
         # The data it trained and was evaluated on, as MLflow dataset inputs: the prepared files, by content.
         inputs = {i.dataset.name: i for i in client.get_run(child["run_id"]).inputs.dataset_inputs}
-        assert sorted(inputs) == ["heldout.jsonl", "train.jsonl"]
-        for name, context in (("train.jsonl", "training"), ("heldout.jsonl", "evaluation")):
+        benches = sorted(n for n in inputs if ":" in n)
+        assert sorted(set(inputs) - set(benches)) == ["heldout.jsonl", "train.jsonl"]
+        assert [n.split(":")[0] for n in benches] == ["aime24", "gsm8k", "math500"]  # and each benchmark file
+        for name in inputs:
+            context = "training" if name == "train.jsonl" else "evaluation"
             ds = inputs[name].dataset
             path = Path(json.loads(ds.source)["uri"])
-            assert path.name == name and path.is_file()
+            assert path.name == name.split(":")[-1] and path.is_file()
             assert ds.digest == hashlib.sha256(path.read_bytes()).hexdigest()[:36]
             assert json.loads(ds.profile)["num_rows"] == len(path.read_text().splitlines())
             assert {t.key: t.value for t in inputs[name].tags}["mlflow.data.context"] == context
