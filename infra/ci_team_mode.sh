@@ -135,8 +135,11 @@ worker_s=0; nightly="skipped"
 if [ "${A3PO_CI_SKIP_WORKER:-0}" != 1 ]; then
   a3po_log "nightly deployment + one run by a process worker"
   t_w=$(date +%s)
+  # Four micro steps learn next to nothing: the night may be "not measurable" (tasks.parity.references_moved), so
+  # it is not made to fail the run on that; the check is the deployment, the worker and a recorded verdict.
   python infra/deploy_nightly.py --pool a3po-ci --run-now --param preset=micro --param 'seeds=[0]' --param steps=4 \
-    --param 'references=["recompute"]' --param experiment='"ci-team-nightly"' --param "output_dir=\"$WORK/nightly\"" \
+    --param 'references=["recompute"]' --param fail_on_regression=false \
+    --param experiment='"ci-team-nightly"' --param "output_dir=\"$WORK/nightly\"" \
     >"$WORK/deploy.log" 2>&1
   dep=$(tail -1 "$WORK/deploy.log")
   A3PO_WORK_POOL=a3po-ci timeout 600 "$here/start_worker.sh" --run-once >"$WORK/worker.log" 2>&1
@@ -153,7 +156,8 @@ with get_client(sync_client=True) as pc:
     state = pc.read_flow_run(dep["flow_run_id"]).state
     assert state.is_completed(), state
 runs = mlflow.search_runs(experiment_names=["ci-team-nightly"], filter_string="tags.`a3po.kind` = 'nightly'")
-assert len(runs) == 1 and runs.iloc[0]["tags.parity"] == "pass", runs
+assert len(runs) == 1 and runs.iloc[0]["tags.parity"] in ("pass", "not measurable"), runs
+assert runs.iloc[0]["metrics.parity/pass"] == float(runs.iloc[0]["tags.parity"] == "pass"), runs
 EOF
   worker_s=$(( $(date +%s) - t_w )); nightly="pass"
 
