@@ -202,6 +202,8 @@ def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, sm
     notes = [] if target is not None else [
         f"no variant improved on the first-step reward {r0:.3f}: time to target and its speedups are undefined"]
     rows = [_row(arm, rs, finals[arm], target, smooth_frac) for arm, rs in by_arm.items()]
+    if target is not None:
+        notes += _target_reach(rows, target)
     metrics = {f"summary/{arm.metric_key}/{key}": row[key]
                for arm, row in zip(by_arm, rows, strict=True) for key in ROW_METRICS if row[key] is not None}
     metrics.update(_against_baselines(rows, list(by_arm)))
@@ -209,6 +211,19 @@ def compare(runs: Sequence[ArmRun], target_fraction: float = TARGET_FRACTION, sm
         metrics["summary/target_reward"] = target
     metrics["summary/first_step_reward"] = r0
     return Comparison(rows=rows, metrics=metrics, target=target, notes=notes)
+
+
+def _target_reach(rows: Sequence[dict[str, Any]], target: float) -> list[str]:
+    """One line where some run did not reach ``target``: how many did, and which did not (an arm
+    with such a seed has no mean time to target: it is shown, not averaged over the others). Some
+    run always does: the target is below the best arm's mean final reward, so below one of its
+    seeds' final reward, which that seed's smoothed curve reaches at its last step."""
+    runs = [(row["variant"], f["seed"], f["time_to_target_s"]) for row in rows for f in row["per_seed"]]
+    missed = [f"{arm} seed {seed}" for arm, seed, t in runs if t is None]
+    if not missed:
+        return []
+    return [f"the target reward {target:.3f} was reached by {len(runs) - len(missed)} of {len(runs)} runs; not reached: "
+            + ", ".join(missed)]
 
 
 ROW_METRICS = ("final_reward", "final_acc", "time_to_target_s", "mean_step_time_s", "train_wall_s", "mean_generate_s", "mean_train_s",

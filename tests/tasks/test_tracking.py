@@ -114,6 +114,20 @@ def test_comparison_without_learning_reports_no_target():
     assert not any(k.endswith("time_to_target") for k in comp.metrics)
 
 
+def test_a_run_that_never_reaches_the_target_is_named_and_keeps_its_arm_out_of_the_mean():
+    # Window 2 of 8 steps. sync climbs to 0.65 (target 0.8 x 0.65 = 0.52 from a first reward of 0);
+    # loglinear seed 1 stays at 0.1: never reached. Its arm has no mean time to target (seed 0's
+    # alone would read as the arm's), and the note names the run.
+    ramp = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    runs = [ArmRun(Arm.parse("sync"), 0, _hist(ramp, 1.0), warmstart_acc=0.0, final_acc=0.0),
+            ArmRun(Arm.parse("loglinear"), 0, _hist(ramp, 0.5), warmstart_acc=0.0, final_acc=0.0),
+            ArmRun(Arm.parse("loglinear"), 1, _hist([0.0] + [0.1] * 7, 0.5), warmstart_acc=0.0, final_acc=0.0)]
+    comp = compare(runs)
+    assert comp.target == pytest.approx(0.52)
+    assert comp.notes == ["the target reward 0.520 was reached by 2 of 3 runs; not reached: loglinear seed 1"]
+    assert [r["time_to_target_s"] for r in comp.rows] == [pytest.approx(7.0), None]
+
+
 def _stab(behav_max, behav_p99, trust_max, clipped):
     return {"stability/behav_iw_max": behav_max, "stability/behav_iw_p99": behav_p99, "stability/trust_ratio_max": trust_max,
             "stability/trust_ratio_clipped_frac": clipped}
