@@ -215,11 +215,10 @@ def _held(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
-def check_disk(cfg: TrainConfig, run_dir: Path, words: Sequence[str] | None = None, free: int | None = None) -> None:
-    """ConfigError naming the fields when :func:`disk_terms` exceed the free bytes of
-    ``run_dir``'s file system (``free``; default: measured) plus what ``run_dir`` holds now.
-    ``words``: as :func:`check_model`'s."""
-    _, model = model_config(cfg.model.name, words)
+def check_disk(cfg: TrainConfig, run_dir: Path, model: torch.nn.Module, free: int | None = None) -> None:
+    """ConfigError naming the fields when :func:`disk_terms` of ``model`` (its weights or the meta
+    skeleton) exceed the free bytes of ``run_dir``'s file system (``free``; default: measured)
+    plus what ``run_dir`` holds now."""
     terms = disk_terms(cfg, model)
     need = sum(t.nbytes for t in terms)
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
@@ -231,9 +230,10 @@ def check_disk(cfg: TrainConfig, run_dir: Path, words: Sequence[str] | None = No
                           "room or write the run elsewhere (--output-dir)")
 
 
-def check_model(cfg: TrainConfig, words: Sequence[str] | None = None) -> TrainConfig:
+def check_model(cfg: TrainConfig, words: Sequence[str] | None = None, run_dir: Path | None = None) -> TrainConfig:
     """``cfg`` once its model can be used as configured on this machine (see the module); else
-    ConfigError in one line naming the field. ``words``: the task vocabulary of a built-in architecture."""
+    ConfigError in one line naming the field. ``words``: the task vocabulary of a built-in
+    architecture; ``run_dir``: the run folder, whose disk is checked too where given."""
     config, model = model_config(cfg.model.name, words)
     for field_name, path in (("ppo.reward_model_path", cfg.ppo.reward_model_path),
                              ("ppo.critic_init_path", cfg.ppo.critic_init_path)):
@@ -246,4 +246,6 @@ def check_model(cfg: TrainConfig, words: Sequence[str] | None = None) -> TrainCo
     check_lora(cfg, model)
     check_exact_anchor(cfg, config, model)
     check_memory(cfg, config, model)
+    if run_dir is not None:
+        check_disk(cfg, run_dir, model)
     return cfg

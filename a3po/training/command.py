@@ -77,13 +77,12 @@ def _train(argv: list[str]) -> int:
             print(f"a3po train: warning: {line}", file=sys.stderr)  # set twice: the option wins, said aloud
         cfg = preflight(cfg)  # and what it needs of this machine
         from a3po.data.arithmetic import WORDS
-        from a3po.models.checks import check_disk, check_model
+        from a3po.models.checks import check_model
 
-        # its model's shapes (LoRA targets, memory, the run folder's disk) without its weights: before the warm start
-        cfg = check_model(cfg, WORDS)
         out = Path(args.output_dir or (cfg.output_dir if args.config else f"runs/{args.preset}"))
         run_dir = out / f"{cfg.rl.variant.value}-seed{cfg.rl.seed}"
-        check_disk(cfg, run_dir, WORDS)
+        # its model's shapes (LoRA targets, memory, the run folder's disk) without its weights: before the warm start
+        cfg = check_model(cfg, WORDS, run_dir)
     except ConfigError as e:
         print(f"a3po train: error: {e}", file=sys.stderr)
         return 2

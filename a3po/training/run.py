@@ -155,9 +155,9 @@ def train_variant(
     run_dir = Path(run_dir)
     refuse_finished_without_checkpoints(run_dir)
     preflight(cfg)  # a worker given a config built elsewhere: the engine's package, DeepSpeed and its JSON are here
-    check_disk(cfg, run_dir, WORDS)  # the run folder's checkpoints fit, before anything is loaded
     torch.set_num_threads(cfg.torch_threads)
     model, tokenizer = load_pretrained(warmstart_dir, dtype=cfg.dtype.torch, device=resolve_device(cfg.device))
+    check_disk(cfg, run_dir, model)  # the run folder's checkpoints fit, before any step (every flow task's run)
     train_rows, heldout_rows, _ = load_rows(cfg.data, tokenizer)
     require_batch_rows(train_rows, cfg.data, cfg.rl.batch_prompts)
     if ranks is None:

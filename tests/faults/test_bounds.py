@@ -550,17 +550,18 @@ def test_a_run_folder_that_cannot_fit_on_its_disk_is_refused_before_training(tmp
     from a3po.models.factory import build_tiny_model
 
     cfg = with_overrides(preset("micro"), rl={"keep_checkpoints": 2})
-    n = sum(p.numel() for p in build_tiny_model("micro", WORDS, seed=0)[0].parameters())
+    model = build_tiny_model("micro", WORDS, seed=0)[0]
+    n = sum(p.numel() for p in model.parameters())
     # fp32: per checkpoint the weights and the newest version (2 x 4n) and AdamW's two moments (8n); the final model 4n.
     need = 2 * (8 * n + 8 * n) + 4 * n
     run_dir = tmp_path / "out" / "loglinear-seed0"
     with pytest.raises(ConfigError, match=rf"^rl.keep_checkpoints: the run folder {re.escape(str(run_dir))} needs at "
                                           r"least .* GiB \(the checkpoints' .*\), more than the .* GiB free there"):
-        check_disk(cfg, run_dir, WORDS, free=need - 1)
-    check_disk(cfg, run_dir, WORDS, free=need)
+        check_disk(cfg, run_dir, model, free=need - 1)
+    check_disk(cfg, run_dir, model, free=need)
     # A resumed run replaces what its folder holds: those bytes count as room.
     run_dir.mkdir(parents=True)
     (run_dir / "old.bin").write_bytes(b"x" * 4096)
-    check_disk(cfg, run_dir, WORDS, free=need - 4096)
+    check_disk(cfg, run_dir, model, free=need - 4096)
     with pytest.raises(ConfigError):
-        check_disk(cfg, run_dir, WORDS, free=need - 4097)
+        check_disk(cfg, run_dir, model, free=need - 4097)

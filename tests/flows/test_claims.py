@@ -57,7 +57,7 @@ def test_reward_parity_is_not_judged_between_arms_whose_reward_did_not_move(gain
 def test_each_paper_figure_is_quoted_against_its_own_baseline():
     from tasks.claims import TRAINING_TIME_FIGURES
 
-    # The sources' total-training-time ratios (../shared/papers.md), each pinned to its baseline.
+    # The sources' total-training-time ratios (the A-3PO paper, AReaL's docs), each pinned to its baseline.
     pinned = {(f.setting.split(",")[0], f.baseline): f.ratio for f in TRAINING_TIME_FIGURES}
     assert pinned == {("Qwen2.5-1.5B", "recompute"): 1.2, ("Qwen2.5-1.5B", "sync"): 1.5,
                       ("Qwen3-8B", "recompute"): 1.1, ("Qwen3-8B", "sync"): 1.8, ("AReaL docs", "recompute"): 1.27}
