@@ -30,11 +30,12 @@ from a3po.storage.runlock import hold_run_folder
 from flows.train_one import fan_out, spec_to_dict, train_and_evaluate
 from infra.launch import LaunchSpec, launch_spec
 from tasks.arms import Arm
+from tasks.artifacts import flow_key, publish_failure, publish_flow_artifacts
 from tasks.child_run import topology_tags
 from tasks.data import dataset_ready, prepare_dataset, with_prepared_data
 from tasks.description import describe_parent_run
 from tasks.evaluation import evaluate_checkpoint
-from tasks.links import tag_run_links
+from tasks.links import tag_run_links, ui_address
 from tasks.pairs import Setting, summarise_pairs
 from tasks.pictures import log_run_pictures
 from tasks.runtime import default_tracking_uri
@@ -240,17 +241,29 @@ def parent_run(spec: ComparisonSpec, out: Path, run_name: str, tags: dict[str, s
 
     The tracking store is probed first (bounded: a store that is down fails here in seconds,
     naming it, before any training). The run ends FINISHED when the body returns, FAILED when it
-    raises (SIGTERM, Ctrl-C included); closing FAILED is bounded too and never hides the error."""
+    raises (SIGTERM, Ctrl-C included), and then the flow run's verdict artifact says FAIL and why
+    (tasks.artifacts); closing FAILED is bounded too and never hides the error."""
     uri = spec.store()
     probe_tracking(uri)
     with hold_run_folder(out, log=get_run_logger().warning):
         ref = open_parent_run(uri, spec.experiment, run_name, str(out), tags, params)
         try:
             yield ref
-        except BaseException:
+        except BaseException as e:
             close_parent_run_quietly(ref, "FAILED")
+            publish_failure(flow_key(run_name, spec.experiment), run_name, e, ref.parent_run_id)
             raise
         close_parent_run(ref, "FINISHED")
+
+
+def publish_artifacts(spec: ComparisonSpec, run_name: str, ref: TrackingRef, summary: dict[str, Any], records: list[dict[str, Any]],
+                      links: dict[str, Any], verdict_md: str | None = None) -> dict[str, Any]:
+    """The flow run's Prefect artifacts (tasks.artifacts), keyed by its run name and experiment;
+    a flow without a verdict of its own is titled by its arms and seeds."""
+    seeds = sorted({r["seed"] for r in records})
+    title = f"{run_name}: {len(summary['rows'])} arms x seeds {', '.join(map(str, seeds))}"
+    return publish_flow_artifacts(flow_key(run_name, spec.experiment), summary, records, ui_address(ref.tracking_uri), ref.experiment_id,
+                                  links, verdict_md, title)
 
 
 def run_comparison(

@@ -43,7 +43,7 @@ from a3po.config import TrainConfig, Variant, preflight
 from a3po.config.axes import OPPO_MODES, PLACEMENTS, OppoMode, Placement
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
-from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
+from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, publish_artifacts, variant_config
 from infra.launch import launch_spec
 from tasks.arms import Arm, expand_arms
 from tasks.evaluation import BENCHMARKS
@@ -123,9 +123,11 @@ def compare_variants(spec: CompareSpec = CompareSpec()) -> dict[str, Any]:  # no
     launch_tags, launch_param = launch_params(launched)
     tags = {"a3po.kind": "compare", "a3po.preset": spec.preset, "a3po.variants": ",".join(a.name for a in arms),
             "a3po.seeds": ",".join(map(str, spec.seeds)), "a3po.fanout": spec.fanout_deployment or "none", **launch_tags}
-    with parent_run(spec, out, f"compare-{spec.preset}", tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
+    run_name = f"compare-{spec.preset}"
+    with parent_run(spec, out, run_name, tags, {**parent_params(base, **flow_values), **launch_param}) as ref:
         records, links, summary = compare_and_summarise(spec, base, ref, out, arms, launch=launched, fanout_deployment=spec.fanout_deployment)
         log_to_parent(ref, summary["metrics"], summary["artifacts"])
+        publish_artifacts(spec, run_name, ref, summary, records, links)
     return {**result_of(ref, out, base, records, summary, time.perf_counter() - t0), "links": links}
 
 

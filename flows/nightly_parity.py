@@ -44,11 +44,12 @@ import flows  # noqa: F401  (offline defaults before Prefect is imported)
 from a3po.config import Variant
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, csv, run_flow
-from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run
+from flows.common import ComparisonSpec, compare_and_summarise, launch_params, parent_params, parent_run, publish_artifacts
 from tasks.arms import Arm
 from tasks.description import describe_parent_run
 from tasks.launched import launch_for_config
 from tasks.links import RunLinks
+from tasks.models import register_nightly_candidate, registry_line
 from tasks.parity import (
     METRICS,
     NIGHTLY_SEEDS,
@@ -233,8 +234,10 @@ def nightly_parity(spec: NightlySpec = NightlySpec()) -> dict[str, Any]:  # noqa
         log_to_parent(ref, {**summary["metrics"], **parity_metrics(results), "parity/pass": float(verdict == "pass")},
                       [*summary["artifacts"], str(out / "summary" / "parity.md"), str(out / "summary" / "parity.json")],
                       tags={"parity": verdict})
-        describe_parent_run(ref, summary, records, links,
-                            verdict_md=f"# Nightly parity: {verdict.upper()}\n\n{report}\n\nTrend: {trend_line}")
+        registered = register_nightly_candidate(ref, records, preset, candidate, verdict, commit)
+        verdict_md = f"# Nightly parity: {verdict.upper()}\n\n{report}\n\nTrend: {trend_line}" + registry_line(registered)
+        describe_parent_run(ref, summary, records, links, verdict_md=verdict_md)
+        publish_artifacts(spec, f"nightly-{preset}", ref, summary, records, links, verdict_md)
         get_run_logger().info(f"parity {verdict}; trend: {trend_line}")
     if verdict != "pass" and spec.fail_on_regression:
         raise ParityRegression(f"convergence parity {'failed' if verdict == 'fail' else 'could not be judged'}:\n{report}")
@@ -252,6 +255,7 @@ def nightly_parity(spec: NightlySpec = NightlySpec()) -> dict[str, Any]:  # noqa
         "tracking_uri": mask_uri(ref.tracking_uri),  # printed and returned: never a password
         "output_dir": str(out),
         "git_commit": commit,
+        "registered": registered,
         "wall_s": time.perf_counter() - t0,
     }
 

@@ -35,7 +35,16 @@ from a3po.config import TrainConfig, Variant
 from a3po.config.axes import PLACEMENTS, Placement
 from a3po.redact import mask_uri
 from flows.cli import add_comparison_args, comparison_kwargs, int_csv, run_flow
-from flows.common import ComparisonSpec, calibration_setting, compare_and_summarise, launch_params, parent_params, parent_run, variant_config
+from flows.common import (
+    ComparisonSpec,
+    calibration_setting,
+    compare_and_summarise,
+    launch_params,
+    parent_params,
+    parent_run,
+    publish_artifacts,
+    variant_config,
+)
 from tasks.arms import Arm, expand_arms
 from tasks.claims import SET_NAMES, report_claims, seed_set
 from tasks.description import describe_parent_run
@@ -137,7 +146,9 @@ def paper_claims(spec: ClaimsSpec = ClaimsSpec()) -> dict[str, Any]:  # noqa: B0
                       [*summary["artifacts"], *claims["artifacts"], *replicated["artifacts"]],
                       tags={f"claim.{r['claim']}": r["verdict"] for r in claims["results"]})
         pairs_md = f"## Pairs on each seed set\n\n{by_set['markdown']}" if by_set else ""
-        describe_parent_run(ref, summary, records, links, verdict_md="\n\n".join(filter(None, [header, claims["markdown"], pairs_md])))
+        verdict_md = "\n\n".join(filter(None, [header, claims["markdown"], pairs_md]))
+        describe_parent_run(ref, summary, records, links, verdict_md=verdict_md)
+        publish_artifacts(spec, f"claims-{preset}", ref, summary, records, links, verdict_md)
     return {
         "claims": claims["results"],
         "claims_md": claims["markdown"],

@@ -180,13 +180,15 @@ def write_history(run_dir: Path, history: list[dict[str, float]]) -> Path:
     return path
 
 
-def log_final(client, run_id: str, history: list[dict[str, float]], final_acc: float, **extra: float) -> None:
-    """The child run's ``final/...`` metrics (and ``extra``) at its last step."""
+def log_final(client, run_id: str, history: list[dict[str, float]], final_acc: float, **extra: float) -> dict[str, float]:
+    """The child run's ``final/...`` metrics (and ``extra``) at its last step; returns them."""
     steps = len(history)
-    log_metrics_now(client, run_id, {
+    final = {
         "final/heldout_acc": final_acc,
         "final/reward": final_reward(history),
         "final/train_wall_s": history[-1]["time/train_wall_s"] if history else 0.0,
         "final/mean_step_time_s": sum(h["perf/step_time_s"] for h in history) / max(steps, 1),
         **extra,
-    }, step=steps)
+    }
+    log_metrics_now(client, run_id, final, step=steps)
+    return final

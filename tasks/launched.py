@@ -24,6 +24,7 @@ from infra.launch import LaunchMode, LaunchSpec
 from tasks.arms import Arm
 from tasks.child_run import log_actions, log_final, log_tables, open_child_run, run_topology, topology_tags, write_history
 from tasks.launch import LaunchRecord, launch_ranks
+from tasks.models import log_final_model
 from tasks.runtime import run_logger
 from tasks.tracking import MlflowMetricLogger, TrackingRef, client_for, last_logged_step, log_params, metric_steps
 from tasks.training import RunRecord, WarmStart
@@ -139,13 +140,15 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
     (_, warmstart_acc), (_, final_acc) = result["eval_curve"][0], result["eval_curve"][-1]
     history = read_metrics_jsonl(out / "metrics.jsonl")
     history_path = write_history(rd, history)
+    model_id = None
     if run_id is not None:
         client = client_for(tracking.tracking_uri)
         logger = MlflowMetricLogger(client, run_id, skip_through_step=last_logged_step(client, run_id),
                                     late_steps_logged=metric_steps(client, run_id, "eval/heldout_acc"))
         logger.ensure_history(history)
         logger.close()  # ships the back-fill, stops the shipper thread
-        log_final(client, run_id, history, final_acc, **{"launch/wall_s": launched.wall_s})
+        final = log_final(client, run_id, history, final_acc, **{"launch/wall_s": launched.wall_s})
+        model_id = log_final_model(client, run_id, Arm.of(cfg).name, cfg.rl.seed, out, final, len(history))
         client.set_tag(run_id, "a3po.resumed_from", str(result.get("resumed_from") or 0))
         log_tables(client, run_id, out / "completions", run_logger())
         log_actions(client, run_id, out / ACTIONS_FILE, run_logger())
@@ -154,7 +157,7 @@ def record_launched_run(cfg: TrainConfig, run_dir: str, tracking: TrackingRef | 
         variant=result["variant"], arm=Arm.of(cfg).name, seed=result["seed"], run_dir=str(rd), final_dir=str(out / "final"),
         history_path=str(history_path), mlflow_run_id=run_id, warmstart_acc=warmstart_acc,
         final_acc=final_acc, steps=result["steps"], wall_s=result["wall_s"],
-        resumed_from=result.get("resumed_from"), library_s=launched.wall_s,
+        resumed_from=result.get("resumed_from"), library_s=launched.wall_s, model_id=model_id,
     )
 
 

@@ -9,6 +9,7 @@ Routes (MLflow 3.17's UI, a hash router; checked against ``mlflow/server/js/buil
 id lists as the query values):
 
     <ui>/#/experiments/<experiment id>/runs/<run id>?workflowType=machine_learning
+    <ui>/#/experiments/<experiment id>/runs/<run id>/artifactPath/<path>?workflowType=machine_learning
     <ui>/#/compare-runs?runs=["<run id>",...]&experiments=["<experiment id>"]&workflowType=machine_learning
 
 Why ``workflowType``: MLflow 3's UI picks its workspace (GenAI: traces, judges, prompts; or
@@ -71,6 +72,12 @@ def ui_address(tracking_uri: str) -> str:
 def run_page(ui: str, experiment_id: str, run_id: str) -> str:
     """One run's page, in the Model training workspace."""
     return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}?{WORKSPACE}"
+
+
+def artifact_page(ui: str, experiment_id: str, run_id: str, path: str) -> str:
+    """One artifact of a run, opened in the run's artifact browser (the UI's ``runPageWithArtifact``
+    route)."""
+    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/{quote(path)}?{WORKSPACE}"
 
 
 def run_links(tracking_uri: str, experiment_id: str, parent_run_id: str, child_run_ids: list[str]) -> RunLinks:

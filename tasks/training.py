@@ -42,6 +42,7 @@ from a3po.training.records import RecordRefused, finished_record
 from a3po.training.run import prepare_warmstart, warmstart_folder, warmstart_problem
 from a3po.training.run import train_variant as library_train_variant
 from tasks.arms import Arm
+from tasks.artifacts import TrainingProgress, progress_key
 from tasks.child_run import (
     config_hash,
     log_actions,
@@ -52,6 +53,7 @@ from tasks.child_run import (
     start_system_metrics,
     write_history,
 )
+from tasks.models import log_final_model
 from tasks.runtime import run_logger
 from tasks.tracking import MlflowMetricLogger, TrackingRef, TrackingUnavailable, client_for, metric_steps, short_client_retries
 
@@ -110,6 +112,7 @@ class RunRecord:
     wall_s: float
     resumed_from: int | None
     library_s: float = 0.0  # time inside a3po.training.run.train_variant
+    model_id: str | None = None  # the final policy's MLflow logged model (tasks.models); None: no tracking, or refused
     tracking_s: float = 0.0  # MLflow log_batch calls of the metric shipper (its own thread, beside library_s)
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,10 +153,15 @@ def _train_locked(
     precision = machine_precision(cfg.dtype, resolve_device(cfg.device))
     (log.warning if precision.slow else log.info)(f"{name}: precision: {precision.reason}")
 
+    # The same line in the log and on the task's progress artifact (tasks.artifacts), as steps finish.
+    shown = TrainingProgress(progress_key(Arm.of(cfg).name, cfg.rl.seed, tracking.experiment_id if tracking else "none"), cfg.rl.steps)
+
     def progress(step: int, m: dict[str, float]) -> None:
         if step % every == 0 or step == cfg.rl.steps:
             acc = f"  held-out acc {m['eval/heldout_acc']:.3f}" if "eval/heldout_acc" in m else ""
-            log.info(f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}")
+            line = f"{name}: step {step}/{cfg.rl.steps}  reward {m['reward/mean']:.3f}  staleness {m['staleness/mean']:.2f}{acc}"
+            log.info(line)
+            shown.report(step, line)
 
     try:
         finished = finished_record(rd, cfg.rl.variant.value, cfg.rl.seed, cfg.rl.steps)
@@ -163,7 +171,7 @@ def _train_locked(
     if finished is not None:  # its checkpoints may be gone (dropped for disk): nothing to train, its record reused
         return _reuse_finished(cfg, rd, *finished, warmstart, tracking, tracking_drain_s, log, name)
     local = JsonlLogger(rd / "metrics.jsonl")  # first: survives any tracking outage
-    run_id, monitor, shipper, logger = None, None, None, local
+    run_id, monitor, shipper, logger, model_id = None, None, None, local, None
     if tracking is not None:
         client, run_id, done, shipper = _open_tracking(tracking, cfg, rd, warmstart, local.path, tracking_drain_s, log)
         logger = FanoutLogger(local, shipper)
@@ -194,7 +202,7 @@ def _train_locked(
         tags = {"a3po.resumed_from": str(result.resumed_from or 0), "a3po.backfilled_steps": str(backfilled)}
         if result.checkpoints_skipped:  # damaged checkpoints passed over at resume
             tags["a3po.checkpoints_skipped"] = "\n".join(result.checkpoints_skipped)[:5000]
-        _close_child_run(client, run_id, shipper, rd, result.history, result.final_acc, tags, log, name)
+        model_id = _close_child_run(client, run_id, shipper, rd, result.history, result.final_acc, tags, log, name, cfg)
     return RunRecord(
         variant=result.variant,
         arm=Arm.of(cfg).name,
@@ -210,6 +218,7 @@ def _train_locked(
         resumed_from=result.resumed_from,
         library_s=library_s,
         tracking_s=tracking_s,
+        model_id=model_id,
     )
 
 
@@ -235,7 +244,7 @@ def _reuse_finished(
     run of this flow run with every step, as a run resumed at its last step would have: a re-run
     of a comparison whose checkpoints were deleted to save disk judges the runs it has."""
     log.info(f"{name}: finished earlier ({rd / 'result.json'}): its record reused, nothing trained")
-    run_id = None
+    run_id, model_id = None, None
     if tracking is not None:
         client, run_id, _, shipper = _open_tracking(tracking, cfg, rd, warmstart, rd / "history.jsonl", tracking_drain_s, log)
         try:
@@ -248,7 +257,7 @@ def _reuse_finished(
             raise
         tags = {"a3po.resumed_from": str(summary["steps"]), "a3po.backfilled_steps": str(backfilled),
                 "a3po.reused_record": str(rd / "result.json")}
-        _close_child_run(client, run_id, shipper, rd, history, summary["final_acc"], tags, log, name)
+        model_id = _close_child_run(client, run_id, shipper, rd, history, summary["final_acc"], tags, log, name, cfg)
     return RunRecord(
         variant=summary["variant"],
         arm=Arm.of(cfg).name,
@@ -262,15 +271,18 @@ def _reuse_finished(
         steps=summary["steps"],
         wall_s=summary["wall_s"],
         resumed_from=summary["steps"],  # nothing left to train: as a resume at the last step
+        model_id=model_id,
     )
 
 
 def _close_child_run(
     client, run_id: str, shipper: MlflowMetricLogger, rd: Path, history: list[dict[str, float]], final_acc: float,
-    tags: dict[str, str], log, name: str,
-) -> None:
-    """A finished arm's child run: its final figures, tags, completion and action tables, FINISHED."""
-    log_final(client, run_id, history, final_acc)
+    tags: dict[str, str], log, name: str, cfg: TrainConfig,
+) -> str | None:
+    """A finished arm's child run: its final figures, its final model (an MLflow logged model:
+    tasks.models), tags, completion and action tables, FINISHED; the model's id (None: refused)."""
+    final = log_final(client, run_id, history, final_acc)
+    model_id = log_final_model(client, run_id, Arm.of(cfg).name, cfg.rl.seed, rd, final, len(history))
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     log_tables(client, run_id, rd / "completions", log)
@@ -281,3 +293,4 @@ def _close_child_run(
             "every metric was shipped afterwards"
         )
     client.set_terminated(run_id, status="FINISHED")
+    return model_id

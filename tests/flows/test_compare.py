@@ -118,6 +118,26 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     assert {"comparison.md", "comparison.csv", "reward_curves.png", "stability.png", "summary.json", "pairs.md"} <= {
         a.path for a in client.list_artifacts(parent["run_id"])
     }
+    # Each arm's final policy is a logged model of its child run (the Models tab), weights left in the run folder.
+    models = {m.source_run_id: m for m in client.search_logged_models(experiment_ids=[exp])}
+    assert set(models) == set(children["run_id"])
+    for _, child in children.iterrows():
+        m = models[child["run_id"]]
+        assert m.name == f"{child['tags.a3po.variant']}-seed-0" and m.tags["a3po.final_dir"] == str(Path(child["tags.a3po.run_dir"]) / "final")
+        assert {x.key: x.value for x in m.metrics}["final/reward"] == child["metrics.final/reward"]
+        assert m.params["rl.variant"] == child["params.rl.variant"]
+    # The Description opens with the headline (one seed: nothing settled), then the narrow table linking the full one.
+    description = parent["tags.mlflow.note.content"]
+    assert description.startswith("**sync**: not settled (1 seed) against recompute per step")
+    assert "| arm | seeds | final reward |" in description and f"/runs/{parent['run_id']}/artifactPath/comparison.md" in description
+    # The Prefect flow run's artifacts: the comparison, the pairs, the links, each arm's progress.
+    from tests.tasks.test_artifacts import _artifacts
+
+    found = _artifacts(parent["tags.prefect.flow_run_id"])
+    assert {"compare-micro-e2e-verdict", "compare-micro-e2e-pairs", "compare-micro-e2e-mlflow-parent", "compare-micro-e2e-mlflow-compare",
+            *(f"progress-{v}-seed-0-exp-{exp}" for v in ("sync", "recompute", "loglinear"))} == set(found)
+    assert found["compare-micro-e2e-verdict"].data.startswith("# compare-micro: 3 arms x seeds 0\n\n**sync**")
+    assert float(found[f"progress-loglinear-seed-0-exp-{exp}"].data) == 100.0
     for key in (
         "speedup/loglinear_vs_sync/step_time",
         "speedup/loglinear_vs_recompute/step_time",
@@ -146,7 +166,8 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
     assert len(second) == 3 and set(second["tags.a3po.backfilled_steps"]) == {"6"}  # full record in the new child runs
     assert sorted(second["tags.a3po.reused_record"]) == sorted(str(Path(r["run_dir"]) / "result.json") for r in res["runs"])
     flow_run_id = runs[runs["run_id"] == again["parent_run_id"]].iloc[0]["tags.prefect.flow_run_id"]
-    states = _task_states(flow_run_id, expect=17)  # parent open + links + log + close, dataset, warm start, 3x (train, evaluate, log), summary, pairs
+    # parent open + links + log + close, dataset, warm start, 3x (train, evaluate, log), summary, pairs, artifacts
+    states = _task_states(flow_run_id, expect=18)
     assert states["prepare_dataset"] == states["warm_start"] == {"Cached"}
     assert states["evaluate_checkpoint"] == {"Cached"} and states["train_arm"] == {"Completed"}
 
@@ -157,7 +178,7 @@ def test_compare_flow_end_to_end(prefect_server, tmp_path):
         shutil.rmtree(d)
     third = compare_variants(CompareSpec(**kw))
     fr = _search(uri, "e2e").set_index("run_id").loc[third["parent_run_id"], "tags.prefect.flow_run_id"]
-    states = _task_states(fr, expect=17)
+    states = _task_states(fr, expect=18)
     assert states["prepare_dataset"] == states["warm_start"] == {"Completed"}
     assert Path(third["runs"][0]["warmstart"]["dir"]).is_dir()
     assert [r["final_acc"] for r in third["runs"]] == [r["final_acc"] for r in res["runs"]]

@@ -9,16 +9,22 @@ the rendered page:
 
 - the parent run's page is in the "Model training" workspace (its side bar lists the model
   registry, not GenAI's judges and prompts);
-- its Description shows the comparison table, the pairs with their intervals, the charts (images that loaded)
-  and a link to each child run, in that workspace;
+- its Description opens with the headline (each arm against its baselines), then the narrow
+  comparison table and a link to the full one, the pairs with their intervals, the charts (images
+  that loaded) and a link to each child run, in that workspace;
 - the compare-runs page lists the child runs;
-- a child run's pictures (staleness histogram, importance weights) load as images;
+- a child run's pictures (staleness histogram, importance weights) load as images, and its
+  Datasets show the train and held-out files;
+- the experiment's Models tab lists each arm's final model;
 - in the Prefect UI (the flow ran against a Prefect server started here, not the temporary
-  one), the flow run's page shows it Completed.
+  one), the flow run's page shows it Completed, its Artifacts tab lists the verdict, the pairs
+  table and the MLflow links, and the verdict and the table open;
+- a micro nightly (into the same store) opens its Description with its verdict line, and its
+  candidate's model is a version of the registered model.
 
 Screenshots of each page go to ``runs/ui-tests/`` (gitignored; CI keeps them as artifacts).
 Needs ``chromium`` (infra/install_chromium.sh; the tests skip, naming it, where it is absent).
-About 3-4 minutes on 2 cores: most of it the flow and the UI's start.
+About 5 minutes on 2 cores: most of it the two flows and the UIs' start.
 """
 
 from __future__ import annotations
@@ -148,6 +154,27 @@ class Page:
         time.sleep(3)
         return self.dt.evaluate("document.body.innerText")
 
+    def click_until(self, label: str, ready_js: str, timeout_s: float = 60) -> str:
+        """Click the element whose own text is ``label`` (a tab), as a person would; wait until
+        ``ready_js`` is true; the page's text."""
+        click = f"""(() => {{ const el = [...document.querySelectorAll('button, a, [role=tab], li, span')]
+          .find(e => e.innerText && e.innerText.trim() === {json.dumps(label)}); if (el) el.click(); return !!el; }})()"""
+        deadline = time.monotonic() + timeout_s
+        while not (self.dt.evaluate(click) and self._wait(ready_js, 5)):
+            if time.monotonic() > deadline:
+                text = self.dt.evaluate("document.body.innerText") or ""
+                raise AssertionError(f"clicking {label!r} did not show what was awaited ({ready_js}); the page shows:\n{text[:2000]}")
+        time.sleep(2)
+        return self.dt.evaluate("document.body.innerText")
+
+    def _wait(self, ready_js: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.dt.evaluate(ready_js):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
     def js(self, expression: str):
         value = self.dt.evaluate(expression)
         return json.loads(value) if isinstance(value, str) and value[:1] in "[{" else value
@@ -206,7 +233,7 @@ def test_the_parent_run_description_shows_the_comparison_charts_and_child_runs(c
     text = page.open(on(ui, comparison["parent"]), ready)
     assert "No description" not in text, "the parent run's Description is empty"
     tables = page.js(TABLES_JS)
-    assert any("final held-out acc" in t and "loglinear" in t and "sync" in t for t in tables), \
+    assert any("final reward" in t and "held-out acc" in t and "loglinear" in t and "sync" in t for t in tables), \
         f"no comparison table in the Description; tables on the page: {tables}"
     assert any("step-time ratio [lo, hi]" in t and "loglinear vs sync" in t for t in tables), \
         f"no pairs table in the Description; tables on the page: {tables}"
@@ -247,3 +274,82 @@ def test_the_prefect_ui_shows_the_flow_run_completed(comparison, prefect_ui, pag
     text = page.open(f"{prefect_ui}/runs/flow-run/{flow_run}", "document.body.innerText.includes('Completed')")
     page.screenshot("prefect_flow_run.png")
     assert "compare-variants" in text, text[:1500]
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory, prefect_ui, comparison):
+    """A micro nightly as a user runs it (one seed, 3 steps: not measurable, exit 1), against
+    ``prefect_ui``, into the comparison's store."""
+    work = tmp_path_factory.mktemp("ui-night")
+    store = comparison["store"]  # one store: the UI started for the comparison shows the night too
+    cmd = [sys.executable, "-m", "flows.nightly_parity", "--preset", "micro", "--seeds", "0", "--steps", "3", "--references", "recompute",
+           "--benchmarks", "", "--output-dir", str(work / "runs"), "--tracking-uri", store, "--n-boot", "200"]
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": f"{prefect_ui}/api"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"store": store, "figures": figures, "parent": figures["parent_run_url"]}
+
+
+def _flow_run_of(store: str, parent_run_id: str) -> tuple[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    parent = MlflowClient(store).get_run(parent_run_id)
+    return parent.data.tags["prefect.flow_run_id"], parent.info.experiment_id
+
+
+def _artifact_ids(flow_run: str) -> dict[str, str]:
+    from tests.tasks.test_artifacts import _artifacts
+
+    return {key: str(a.id) for key, a in _artifacts(flow_run).items()}
+
+
+def test_the_prefect_flow_run_shows_its_artifacts_the_verdict_and_the_pairs_table(comparison, prefect_ui, page, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", f"{prefect_ui}/api")
+    flow_run, _ = _flow_run_of(comparison["store"], comparison["figures"]["parent_run_id"])
+    key = "compare-micro-a3po-compare"
+    page.open(f"{prefect_ui}/runs/flow-run/{flow_run}", "document.body.innerText.includes('Artifacts')")
+    text = page.click_until("Artifacts", f"document.body.innerText.includes('{key}-pairs')")
+    page.screenshot("prefect_flow_run_artifacts.png")
+    for suffix in ("verdict", "pairs", "mlflow-parent", "mlflow-compare"):
+        assert f"{key}-{suffix}" in text, f"artifact {key}-{suffix} not on the flow run's Artifacts tab:\n{text[:2000]}"
+    ids = _artifact_ids(flow_run)
+    verdict = page.open(f"{prefect_ui}/artifacts/artifact/{ids[f'{key}-verdict']}", "document.body.innerText.includes('loglinear')")
+    page.screenshot("prefect_artifact_verdict.png")
+    assert "compare-micro: 2 arms x seeds 0" in verdict and "not settled" in verdict, verdict[:2000]
+    table = page.open(f"{prefect_ui}/artifacts/artifact/{ids[f'{key}-pairs']}", "document.body.innerText.includes('loglinear vs sync')")
+    page.screenshot("prefect_artifact_pairs.png")
+    assert "step-time ratio verdict" in table, table[:2000]
+
+
+def test_the_models_tab_lists_each_arms_final_model(comparison, ui, page):
+    _, exp = _flow_run_of(comparison["store"], comparison["figures"]["parent_run_id"])
+    text = page.open(f"{ui}/#/experiments/{exp}/models?{WORKSPACE}", "document.body.innerText.includes('loglinear-seed-0')")
+    page.screenshot("mlflow_models_tab.png")
+    assert "sync-seed-0" in text and "loglinear-seed-0" in text, text[:2000]
+
+
+def test_a_child_run_shows_the_data_it_trained_and_was_evaluated_on(comparison, ui, page):
+    name, exp, run_id = _children(comparison)[0]
+    text = page.open(f"{ui}/#/experiments/{exp}/runs/{run_id}?{WORKSPACE}", "document.body.innerText.includes('train.jsonl')")
+    page.screenshot("child_run_datasets.png")
+    assert "heldout.jsonl" in text, f"{name}: the held-out set is not among the run's datasets:\n{text[:2000]}"
+
+
+def test_the_description_opens_with_the_headline_and_the_nightly_with_its_verdict(comparison, night, ui, page):
+    ready = "document.body.innerText.includes('Child runs')"
+    text = page.open(on(ui, comparison["parent"]), ready)
+    page.screenshot("parent_run_description_headline.png")
+    body = text[text.index("Description"):]
+    # The headline (each arm against its baselines, the verdict its interval allows) before any table.
+    assert body.index("loglinear:") < body.index("final reward") < body.index("Full comparison table"), body[:2000]
+    night_text = page.open(on(ui, night["parent"]), ready)
+    page.screenshot("nightly_description.png")
+    verdict = night["figures"]["verdict"].upper()
+    first = [line.strip() for line in night_text[night_text.index("Description"):].splitlines() if line.strip()]
+    assert f"Nightly parity: {verdict}" in first[:4], first[:10]
+    # The night's candidate, registered: its version is on the registered model's page.
+    name = "a3po-nightly-micro-loglinear"
+    model = page.open(f"{ui}/#/models/{name}?{WORKSPACE}", "document.body.innerText.includes('Version 1')")
+    page.screenshot("nightly_registered_model.png")
+    assert name in model, model[:2000]
