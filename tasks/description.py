@@ -46,8 +46,9 @@ def _speed(pair: dict[str, Any]) -> str:
         return f"against {pair['baseline']}: no time measured"
     verdict = speed_verdict(Interval(**iv))
     against = f"{verdict} than" if verdict in ("faster", "slower") else f"{verdict} against"
-    plural = "s" if len(pair["seeds"]) != 1 else ""
-    seeds = f"{iv['n']} of {len(pair['seeds'])} seeds" if iv["n"] != len(pair["seeds"]) else f"{iv['n']} seed{plural}"
+    if iv["low"] is None:  # the ratio says "1 seed: no interval"
+        return f"{against} {pair['baseline']} {figure}, {_ratio(iv)}"
+    seeds = f"{iv['n']} of {len(pair['seeds'])} seeds" if iv["n"] != len(pair["seeds"]) else f"{iv['n']} seeds"
     return f"{against} {pair['baseline']} {figure}, {_ratio(iv)} ({seeds})"
 
 

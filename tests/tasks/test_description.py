@@ -71,7 +71,7 @@ def test_one_seed_is_never_a_verdict_and_an_uncalibrated_reward_is_not_judged():
             "reward_verdict": "no calibration for micro at 6 steps", "passed": None}]
     md = comparison_description({**SUMMARY, "rows": ROWS, "pairs": one}, CHILDREN)
     lines = md.splitlines()
-    assert lines[0] == "**loglinear**: not settled (1 seed) against sync per step, 1.40x (1 seed: no interval) (1 seed)."
+    assert lines[0] == "**loglinear**: not settled (1 seed) against sync per step, 1.40x (1 seed: no interval)."
     assert lines[2] == "**Reward**: not judged (no calibration for micro at 6 steps); final-reward differences loglinear - sync +0.020."
 
 
