@@ -58,8 +58,10 @@ def test_a_full_disk_with_an_evaluation_in_flight_exits_1_in_one_line(tmp_path):
 
 def test_ctrl_c_with_an_evaluation_in_flight_exits_130_in_one_line(tmp_path):
     out = tmp_path / "out"
+    # Ctrl-C's own disposition: a test session started in the background of a shell ignores SIGINT,
+    # and a Python started ignoring it never installs its handler.
     proc = subprocess.Popen(train_command(_config(tmp_path), out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO, env=_env())
+                            text=True, cwd=REPO, env=_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = out / "loglinear-seed0" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
