@@ -63,8 +63,7 @@ def _quietly(what: str, fn: Callable[[], Any]) -> Any:
 
 
 def _cell(iv: dict[str, Any], digits: int = 3) -> dict[str, float | None]:
-    r = lambda v: None if v is None else round(float(v), digits)  # noqa: E731
-    return {"point": r(iv.get("point")), "low": r(iv.get("low")), "high": r(iv.get("high"))}
+    return {end: None if iv.get(end) is None else round(float(iv[end]), digits) for end in ("point", "low", "high")}
 
 
 def pairs_table(pairs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -77,14 +77,13 @@ def headline(pairs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def narrow_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The headline columns (:data:`NARROW_COLUMNS`) of the comparison's rows, as Markdown."""
-    def cell(v: Any) -> str:
-        if v is None or (isinstance(v, float) and v != v):
-            return "-"
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    """The headline columns (:data:`NARROW_COLUMNS`) of the comparison's rows, as Markdown
+    (:func:`tasks.summary.to_markdown`, the full table's formatter)."""
+    import pandas as pd
 
-    lines = ["| " + " | ".join(h for _, h in NARROW_COLUMNS) + " |", "|" + "---|" * len(NARROW_COLUMNS)]
-    return "\n".join([*lines, *("| " + " | ".join(cell(r.get(k)) for k, _ in NARROW_COLUMNS) + " |" for r in rows)])
+    from tasks.summary import to_markdown
+
+    return to_markdown(pd.DataFrame([[r.get(k) for k, _ in NARROW_COLUMNS] for r in rows], columns=[h for _, h in NARROW_COLUMNS]))
 
 
 def comparison_description(summary: dict[str, Any], children: Sequence[dict[str, Any]],
