@@ -81,6 +81,19 @@ def mean_centered_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> 
     return adv
 
 
+def groups_with_signal(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[int, bool]:
+    """Per group id, whether its rewards differ: ``max_g(r) > min_g(r)``. A group whose rewards are
+    all equal has ``A_i = 0`` for every sample under a group-relative estimator (``r_i - mean_g(r) = 0``),
+    so its update is zero for the cost of a full one (DAPO's dynamic sampling filters it: Yu et al.,
+    2025, "DAPO", sec. 3.2). Exact equality: rewards are graded scores, not noisy floats."""
+    require_finite("rewards", rewards)
+    out: dict[int, bool] = {}
+    for g in torch.unique(group_ids).tolist():
+        r = rewards[group_ids == g]
+        out[int(g)] = bool(r.max() > r.min())
+    return out
+
+
 class SequenceLevel:
     """A per-sequence estimator ``f(rewards (N,), group_ids (N,)) -> (N,)`` as a registered
     estimator: the sequence reward is the sum of its token rewards, the advantage is broadcast

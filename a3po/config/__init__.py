@@ -4,8 +4,8 @@ written back into the config.
 
 * the sections, frozen dataclasses that check their ranges and cross-field rules when built, one module each:
   :mod:`~a3po.config.model` (model, LoRA), :mod:`~a3po.config.data` (data, warm start), :mod:`~a3po.config.rl`
-  (rl, with the guard's, staleness control's and rollout correction's rules), :mod:`~a3po.config.ppo`,
-  :mod:`~a3po.config.rollout` (rollout engine, OPPO), :mod:`~a3po.config.distributed`, and
+  (rl, with the guard's, staleness control's, rollout correction's and the group filter's rules),
+  :mod:`~a3po.config.ppo`, :mod:`~a3po.config.rollout` (rollout engine, OPPO), :mod:`~a3po.config.distributed`, and
   :mod:`~a3po.config.train` (:class:`TrainConfig`, the rules across sections, the renamed fields);
   :mod:`~a3po.config.errors` holds :class:`ConfigError` and the bounds they share;
 * :mod:`~a3po.config.loading`  YAML files, dicts and overrides -> a checked :class:`TrainConfig`;
@@ -46,6 +46,7 @@ from a3po.config.rl import (
     Variant,
     correction_settings,
     effective_max_staleness,
+    filter_settings,
     proximal_method_name,
     staleness_settings,
 )
@@ -56,7 +57,7 @@ __all__ = [
     "ArithmeticDifficulty", "FIELDS_BEFORE_THEY_EXISTED", "PRESETS", "RESUME_NEUTRAL_FIELDS", "ConfigError",
     "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OppoConfig", "PPOConfig", "RLConfig",
     "RolloutConfig", "RunPlan", "TrainConfig", "Variant", "WarmStartConfig", "config_differences", "config_from_dict",
-    "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness", "load_config", "load_yaml",
-    "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight", "staleness_settings",
-    "warmstart_key", "with_overrides",
+    "config_to_dict", "correction_settings", "data_identity", "effective_max_staleness", "filter_settings",
+    "load_config", "load_yaml", "merge_yaml", "mid_batch_updates", "preset", "proximal_method_name", "preflight",
+    "staleness_settings", "warmstart_key", "with_overrides",
 ]

@@ -1,9 +1,10 @@
 """The rl section (:class:`RLConfig`): the variant, the batch, the optimizer and the loss, then
-three features, each with its fields in the class and its rules in a function of its own below
+four features, each with its fields in the class and its rules in a function of its own below
 it: the guard (:func:`check_guard`), staleness control (:func:`check_staleness_control`,
-:func:`staleness_settings`) and rollout correction (:func:`check_rollout_correction`,
-:func:`correction_settings`); and the values derived from the section (the staleness bound in
-force, the proximal method's name), never written back into it."""
+:func:`staleness_settings`), rollout correction (:func:`check_rollout_correction`,
+:func:`correction_settings`) and the group filter (:func:`check_group_filter`,
+:func:`filter_settings`); and the values derived from the section (the staleness bound in force,
+the proximal method's name), never written back into it."""
 
 from __future__ import annotations
 
@@ -136,6 +137,17 @@ class RLConfig:
     (their geometric mean; rejection only)."""
     rollout_correction_mode: Literal["mask", "truncate"] | None = None
     """mis only: 'mask' (drop a sequence outside [lower, cap], default) or 'truncate' (cap its weight)."""
+    filter_groups: bool = False
+    """Drop the GRPO groups whose rewards are all equal (zero advantage: no signal) before the update and
+    refill the batch from further prompts (DAPO's dynamic sampling; ``a3po.producer.group_filter``):
+    ``filter/*`` per step. Needs a group-relative advantage and no per-token reward (KL penalty)."""
+    filter_max_prompts: int | None = None
+    """filter_groups: prompts a step may draw in all (its batch's included), >= ``batch_prompts``; then it
+    trains on what it has, filling up with groups without signal (``filter/short_groups``). null: 4 x
+    ``batch_prompts``."""
+    filter_patience: int | None = None
+    """filter_groups: steps in a row with no group with signal after which the run stops (a broken grader, a
+    task too hard or too easy), >= 1. null: 5."""
     eval_samples: int = 4
     """Held-out accuracy is the mean over this many samples per problem at ``temperature``."""
     eval_every: int = 50
@@ -217,6 +229,7 @@ class RLConfig:
                              "the proximal policy only in a step's single update: it needs rl.minibatches 1, got "
                              f"{self.minibatches} (use loglinear or recompute with several minibatches)")
         check_rollout_correction(self)
+        check_group_filter(self)
         if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
             # A group of one is its own mean: every advantage would be 0 and nothing would learn.
             raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
@@ -340,3 +353,32 @@ def check_rollout_correction(rl: RLConfig) -> None:
     except ValueError as e:
         raise ValueError(f"rl.rollout_correction {rl.rollout_correction!r} with rl.rollout_correction_level "
                          f"{s.level!r}, rl.rollout_correction_mode {s.mode!r}: {e}") from None
+
+
+# The group filter (rl.filter_*): groups without signal dropped and refilled before the update. What it
+# cannot refill (batches scored while decoding, per-token rewards) is checked with the rules across
+# sections (TrainConfig._check_group_filter).
+
+def filter_settings(rl: RLConfig) -> tuple[int, int]:
+    """``(max_prompts, patience)`` as configured, the defaults where null."""
+    return (4 * rl.batch_prompts if rl.filter_max_prompts is None else rl.filter_max_prompts,
+            5 if rl.filter_patience is None else rl.filter_patience)
+
+
+def check_group_filter(rl: RLConfig) -> None:
+    given = [f"rl.{k}" for k in ("filter_max_prompts", "filter_patience") if getattr(rl, k) is not None]
+    if not rl.filter_groups:
+        if given:
+            raise ValueError(f"{', '.join(given)} set but rl.filter_groups is false: set rl.filter_groups true, "
+                             "or leave them null")
+        return
+    max_prompts, patience = filter_settings(rl)
+    if max_prompts < rl.batch_prompts:
+        raise ValueError(f"rl.filter_max_prompts must be >= rl.batch_prompts {rl.batch_prompts} (a step draws its "
+                         f"batch's prompts at least), got {max_prompts}")
+    if patience < 1:
+        raise ValueError(f"rl.filter_patience must be >= 1, got {patience}")
+    if not ADVANTAGE_ESTIMATORS.get(rl.advantage).group_relative:
+        raise ValueError(f"rl.filter_groups with rl.advantage {rl.advantage!r}: a group with equal rewards carries no "
+                         "signal only under a group-relative estimator (grpo, dr_grpo); here its advantages "
+                         "come from the critic")

@@ -98,6 +98,8 @@ class TrainConfig:
                              "to send the trainer's log-probs back")
         if self.rl.guard_every and GUARD_POLICIES.get(self.rl.guard_policy).tightens:
             self._check_tighten()
+        if self.rl.filter_groups:
+            self._check_group_filter()
         needs_values = ADVANTAGE_ESTIMATORS.get(self.rl.advantage).needs_values
         if needs_values and self.ppo.critic == "none":
             raise ValueError(f"rl.advantage {self.rl.advantage!r} needs critic values: set "
@@ -135,6 +137,19 @@ class TrainConfig:
             raise ValueError("rl.guard_policy 'tighten' with rl.schedule 'deterministic': the schedule fixes each "
                              "batch's weight versions, and the versions the store keeps, from rl.max_staleness for the "
                              "whole run; use rl.schedule 'threaded', or rl.guard_policy 'warn' or 'recompute'")
+
+    def _check_group_filter(self) -> None:
+        """Where a batch's groups can be told to carry no signal before the update, and refilled."""
+        if self.ppo.kl_coef > 0 or self.ppo.reward == "model":
+            # The advantage then reads per-token rewards (score minus the KL penalty) or the reward
+            # model's scores, which the producer does not have when it grades.
+            raise ValueError("rl.filter_groups with ppo.kl_coef > 0 or ppo.reward 'model': a group's advantages are "
+                             "then not zero when its graded rewards are equal; use ppo.kl_coef 0 and the grader's "
+                             "rewards")
+        if self.oppo.inter or self.oppo.intra:
+            raise ValueError("rl.filter_groups with oppo.inter or oppo.intra is not supported: OPPO hands out groups "
+                             "as they finish decoding (inter) or scores them while they decode (intra), and the "
+                             "filter grades and refills a whole batch; use one or the other")
 
     def _check_lora(self) -> None:
         """The combinations LoRA does not run with (yet), each with its reason (DeepSpeed ranks and

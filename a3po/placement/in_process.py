@@ -9,10 +9,11 @@ from typing import Callable
 
 import torch
 
-from a3po.config import RunPlan, TrainConfig, mid_batch_updates
+from a3po.config import RunPlan, TrainConfig, filter_settings, mid_batch_updates
 from a3po.data.datasets import prompt_style
 from a3po.models.lora import MergedWeights, is_lora
 from a3po.oppo.overcommit import DeltaController, OverlapProducer
+from a3po.producer.group_filter import GroupFilter
 from a3po.producer.producer import Admission, PromptSampler, RolloutProducer, StreamHook
 from a3po.producer.weight_store import Retention, WeightStore
 from a3po.rollout.engines import build_engine
@@ -76,6 +77,7 @@ def local_producer(
         **overlap,
         stream=inp.intra,
         threads=inp.plan.generate_threads,
+        **({"group_filter": GroupFilter(filter_settings(rl)[0])} if rl.filter_groups else {}),
     )
 
 

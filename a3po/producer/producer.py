@@ -39,6 +39,7 @@ import torch
 
 from a3po.data.prompts import PromptStyle
 from a3po.grading.rewards import grader_counts
+from a3po.producer.group_filter import Drawn, GroupFilter, assemble, refill_picks, refill_seed, signal_of
 from a3po.producer.weight_store import Stopped, WeightStore
 from a3po.rollout.types import Engine, RolloutBatch, SamplingParams
 
@@ -113,15 +114,20 @@ class PromptSampler:
         self._ids = [tokenizer(style.render(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
                      for r in rows]
 
+    def picks(self, j: int) -> list[int]:
+        """The row indices of batch ``j``'s prompts."""
+        return random.Random(f"{self.seed}:prompts:{j}").sample(range(len(self.rows)), self.batch_prompts)
+
     def batch(self, j: int) -> tuple[list[list[int]], list[dict]]:
-        rng = random.Random(f"{self.seed}:prompts:{j}")
-        picks = rng.sample(range(len(self.rows)), self.batch_prompts)
+        return self.groups(self.picks(j), j * self.batch_prompts)
+
+    def groups(self, picks: list[int], first_group: int) -> tuple[list[list[int]], list[dict]]:
+        """Each row of ``picks`` ``group_size`` times, the groups numbered from ``first_group``."""
         prompts, meta = [], []
         for g, i in enumerate(picks):
             for _ in range(self.group_size):
                 prompts.append(self._ids[i])
-                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"],
-                             "group": j * self.batch_prompts + g})
+                meta.append({"id": self.rows[i]["id"], "gold": self.rows[i]["gold"], "group": first_group + g})
         return prompts, meta
 
 
@@ -186,9 +192,12 @@ class RolloutProducer(threading.Thread):
         check: Callable[[RolloutBatch], dict[str, float | torch.Tensor]] | None = None,
         stream: StreamHook | None = None,
         threads: int | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         super().__init__(name="rollout-producer", daemon=True)
-        self.stream = stream
+        self.stream, self.group_filter = stream, group_filter
+        if group_filter is not None and stream is not None:  # the config refuses it (rl.filter_groups)
+            raise ValueError("the group filter grades whole batches: it cannot refill a batch scored while decoding")
         if mid_batch_updates and not engine.mid_batch_updates:
             raise ValueError(f"{type(engine).__name__} cannot swap weights inside a batch; use mid_batch_updates=False")
         self.mid_batch_updates, self.check = mid_batch_updates, check
@@ -250,11 +259,44 @@ class RolloutProducer(threading.Thread):
                                              meta=meta, on_token=on_token)
         streamed, stream_metrics = self.stream.finish(rollout.input_ids) if self.stream is not None else ({}, {})
         scored = self._score(j, rollout, t0, streamed, stream_metrics, record_stream=True)
+        if self.group_filter is not None:
+            scored = self._refill(j, scored, t0)
         if self.check is not None:  # e.g. the engine's log-prob mismatch (rollout/*); not part of the producing time
             # figures to metrics, per-token tensors beside the streamed ones
             for name, value in self.check(rollout).items():
                 (scored.streamed if isinstance(value, torch.Tensor) else scored.metrics)[name] = value
         return scored
+
+    def _refill(self, j: int, scored: ScoredBatch, t0: float) -> ScoredBatch:
+        """Batch ``j`` with its groups without signal replaced by refills (:mod:`a3po.producer.group_filter`),
+        each round sampled on the weights the engine holds after the batch (threaded: the newest
+        published), never older ones."""
+        b = self.sampler.batch_prompts
+        draws = [Drawn(scored.rollout, scored.rewards, scored.completions)]
+        drawn_rows, n_drawn, kept = set(self.sampler.picks(j)), b, sum(signal_of(draws[0]).values())
+        grader, score_s, t_refill, round_ = dict(scored.grader), scored.metrics["perf/score_s"], time.perf_counter(), 0
+        while kept < b and n_drawn < self.group_filter.max_prompts:
+            round_ += 1
+            n = min(b - kept, self.group_filter.max_prompts - n_drawn)
+            picks = refill_picks(len(self.sampler.rows), n, self.seed, j, round_, drawn_rows)
+            # numbered after every batch's groups: unique within the step, renumbered by assemble
+            prompts, meta = self.sampler.groups(picks, (j + 1) * b + n_drawn)
+            if self.schedule == "threaded":  # the batch's hold keeps every version from its start on
+                self._load(self.store.latest)
+            rollout = self.engine.generate_batch(prompts, self.params, refill_seed(self.seed, j, round_), meta=meta)
+            extra = self._score(j, rollout, time.perf_counter(), {}, {})
+            draws.append(Drawn(extra.rollout, extra.rewards, extra.completions))
+            for name, count in extra.grader.items():
+                grader[name] = grader.get(name, 0) + count
+            score_s += extra.metrics["perf/score_s"]
+            drawn_rows.update(picks)
+            n_drawn += n
+            kept += sum(signal_of(draws[-1]).values())
+        batch, figures = assemble(draws, b, j, self.engine.pad_token_id)
+        now = time.perf_counter()
+        metrics = {**scored.metrics, **figures, "perf/score_s": score_s, "filter/refill_gen_s": now - t_refill}
+        return ScoredBatch(j, batch.rollout, batch.rewards, batch.completions, now - t0, grader, metrics,
+                           stream_state=scored.stream_state)
 
     def _score(
         self, j: int, rollout: RolloutBatch, t0: float, streamed: dict[str, torch.Tensor], metrics: dict[str, float],

@@ -63,6 +63,39 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
+def stack_rows(parts: Sequence[tuple[RolloutBatch, Sequence[int]]], pad_id: int) -> RolloutBatch:
+    """The rows ``rows`` of each ``batch`` in ``parts``, in that order, as one batch in the same
+    layout: every prompt right-aligned at the widest prompt's column ``P``, every response starting
+    there, right-padded to the longest (pad ``pad_id``, attention 0, behaviour log-prob 0, version
+    -1, as the engines pad). Batches sampled separately have their own widths; this re-pads them."""
+    parts = [(b, list(rows)) for b, rows in parts if len(rows)]
+    if not parts:
+        raise ValueError("stack_rows needs at least one row")
+    p = max(b.prompt_len for b, _ in parts)
+    width = p + max(b.input_ids.shape[1] - b.prompt_len for b, _ in parts)
+    n = sum(len(rows) for _, rows in parts)
+    first = parts[0][0].input_ids
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device=first.device)
+    attn = torch.zeros((n, width), dtype=torch.long, device=first.device)
+    resp = torch.zeros((n, width), dtype=torch.bool, device=first.device)
+    logp = torch.zeros((n, width), dtype=torch.float32, device=first.device)
+    versions = torch.full((n, width), -1, dtype=torch.long, device=first.device)
+    finished, meta, i = [], [], 0
+    for b, rows in parts:
+        idx = torch.tensor(rows, device=b.input_ids.device)
+        left, right = p - b.prompt_len, p - b.prompt_len + b.input_ids.shape[1]  # the batch's columns here
+        k = slice(i, i + len(rows))
+        ids[k, left:right] = b.input_ids[idx]
+        attn[k, left:right] = b.attention_mask[idx]
+        resp[k, left:right] = b.response_mask[idx]
+        logp[k, left:right] = b.behav_logp[idx]
+        versions[k, left:right] = b.versions[idx]
+        finished.append(b.finished[idx])
+        meta += [dict(b.meta[r]) for r in rows] if b.meta else [{} for _ in rows]
+        i += len(rows)
+    return RolloutBatch(ids, attn, resp, logp, versions, torch.cat(finished), p, meta)
+
+
 BetweenSteps = Callable[[int], "int | None"]
 """``between_steps(t)`` before decode step ``t``: the version of newer weights it just loaded, or None."""
 OnToken = Callable[[int, torch.Tensor, torch.Tensor], None]

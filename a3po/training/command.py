@@ -106,6 +106,7 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     from a3po.config.preflight import read_deepspeed_json, zero_stage
     from a3po.data.datasets import BadRowError
     from a3po.parallel.ranks import close_ranks, init_ranks
+    from a3po.training.loop import SignalDrained
     from a3po.training.metrics import JsonlLogger, NullLogger
     from a3po.training.run import prepare_warmstart, train_variant
 
@@ -166,6 +167,10 @@ def _train_locked(args: argparse.Namespace, cfg, out: Path, run_dir: Path) -> in
     except DiskFullError as e:  # the file and the limit it hit; what was committed before is whole
         bar.close()
         print(f"a3po train: {e.strerror}", file=sys.stderr)
+        return 1
+    except SignalDrained as e:  # the group filter found nothing to train on; the steps before are kept
+        bar.close()
+        print(f"a3po train: {e}", file=sys.stderr)
         return 1
     bar.n = cfg.rl.steps
     bar.close()

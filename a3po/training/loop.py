@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from a3po.algorithms.proximal import PROXIMAL_METHODS, ProximalMethod
-from a3po.config import RunPlan, TrainConfig, config_to_dict
+from a3po.config import RunPlan, TrainConfig, config_to_dict, filter_settings
 from a3po.devices import model_device, native_bf16, set_autocast
 from a3po.grading.rewards import check_grader, score_completions
 from a3po.models.lora import load_trained_state, trained_state, with_lora
@@ -50,6 +50,29 @@ def checked_rollout_inputs(
         score=lambda comps, meta: score_completions(cfg.data.task, comps,
                                                     [m["gold"] for m in meta], [m["id"] for m in meta]),
     )
+
+
+class SignalDrained(RuntimeError):
+    """The group filter (``rl.filter_groups``) found no group with signal for ``rl.filter_patience`` steps in a row."""
+
+
+def stop_if_drained(history: list[dict[str, float]], patience: int, step: int) -> None:
+    """Raise :class:`SignalDrained` when the last ``patience`` steps of ``history`` trained no group with
+    signal (``filter/signal_groups`` 0): the filter would otherwise draw its cap of prompts at every step,
+    for an update of zero, until the run ends."""
+    tail = history[-patience:]
+    if len(tail) < patience or any(m.get("filter/signal_groups", 1.0) > 0 for m in tail):
+        return
+    last = tail[-1]
+    reward = last.get("reward/mean", float("nan"))
+    cause = ("every reward 0: a grader that never matches the answers' format, or a task too hard for the model"
+             if reward == 0 else "every reward 1: a task too easy for the model" if reward == 1 else
+             "each group's rewards equal: a grader that ignores the answer, or samples that do not differ "
+             "(rl.temperature)")
+    raise SignalDrained(f"step {step}: no group with signal in {patience} steps in a row (rl.filter_patience): "
+                        f"filtered fraction {last['filter/filtered_frac']:.2f} of "
+                        f"{last['filter/prompts_drawn']:.0f} prompts drawn, reward/mean {reward:.3f}; likely "
+                        f"{cause}")
 
 
 def _latency_breakdown(generate_s: float, train_s: float, idle_s: float) -> dict[str, float]:
@@ -228,6 +251,8 @@ def rl_train(
                 snapshot = _snapshot(run, store, extensions, plan.max_staleness, evaluations.pending())
                 saved = save_rank_checkpoint(ckpt_dir, snapshot, policy, updater, ranks, keep=rl.keep_checkpoints)
                 last_ckpt = saved or last_ckpt
+            if rl.filter_groups:  # after the step's line and checkpoint: what was trained is kept
+                stop_if_drained(run.history, filter_settings(rl)[1], step + 1)
     finally:
         evaluations.close()  # a stop with an evaluation in flight ends as it does inline
         producer.stop()

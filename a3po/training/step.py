@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from a3po.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, groups_with_signal
 from a3po.algorithms.checks import NonFiniteError
 from a3po.algorithms.losses import decoupled_ppo_loss
 from a3po.algorithms.minibatches import MINIBATCH_SPLITS
@@ -254,6 +254,9 @@ def step_metrics(
         {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std(unbiased=False).item(),
+            # groups whose graded rewards are all equal: no signal under a group-relative estimator (rl.filter_groups)
+            "reward/groups_all_equal": float(sum(not s for s in groups_with_signal(
+                rewards, torch.tensor([m["group"] for m in batch.meta], device=rewards.device)).values())),
             "policy/entropy": sum(m.entropy_sum for m in minibatches) / max(sum(m.entropy_n for m in minibatches), 1),
             "staleness/mean": st_mean,
             "staleness/max": st_max,
