@@ -58,7 +58,8 @@ def config_hash(cfg: TrainConfig) -> str:
     d["rl"].pop("log_completions", None)  # what is logged, not what is trained; run folders keep their names
     d["rl"].pop("eval_mode", None)  # where the held-out figures are computed, not what they are
     later = [("generate_threads", d, 1), ("rollout_cores", d.get("distributed", {}), 0),
-             ("filter_groups", d["rl"], False), ("filter_max_prompts", d["rl"], None), ("filter_patience", d["rl"], None)]
+             ("filter_groups", d["rl"], False), ("filter_max_prompts", d["rl"], None), ("filter_patience", d["rl"], None),
+             ("step_size", d["rl"], "fixed")]
     for key, section, default in later:
         if section.get(key, default) == default:  # fields added later: at their default, the folders of earlier runs keep their names
             section.pop(key, None)

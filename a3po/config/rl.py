@@ -18,6 +18,7 @@ from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS
 from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, CorrectionSettings
 from a3po.algorithms.staleness import STALENESS_CONTROLS, StalenessSettings
+from a3po.algorithms.step_size import STEP_SIZE_RULES
 from a3po.config.errors import MAX_LR, MAX_SEED, seed_ok
 
 
@@ -137,6 +138,11 @@ class RLConfig:
     (their geometric mean; rejection only)."""
     rollout_correction_mode: Literal["mask", "truncate"] | None = None
     """mis only: 'mask' (drop a sequence outside [lower, cap], default) or 'truncate' (cap its weight)."""
+    step_size: str = "fixed"
+    """The learning rate of each optimizer step (``a3po.algorithms.step_size.STEP_SIZE_RULES``): 'fixed' (the
+    schedule's) or 'ess_sqrt' (VCPO's: the schedule's times ``sqrt(ESS / N)``, the effective sample size of
+    the minibatch's per-sequence behaviour importance weights over its sequences; ``step_size/*`` per step).
+    'ess_sqrt' needs importance weights: an asynchronous variant with a staleness-aware proximal policy."""
     filter_groups: bool = False
     """Drop the GRPO groups whose rewards are all equal (zero advantage: no signal) before the update and
     refill the batch from further prompts (DAPO's dynamic sampling; ``a3po.producer.group_filter``):
@@ -216,7 +222,8 @@ class RLConfig:
             raise ValueError(f"rl.seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name, registry, value in (("advantage", ADVANTAGE_ESTIMATORS, self.advantage),
                                       ("proximal", PROXIMAL_METHODS, self.proximal or self.variant.proximal_method),
-                                      ("minibatch_split", MINIBATCH_SPLITS, self.minibatch_split)):
+                                      ("minibatch_split", MINIBATCH_SPLITS, self.minibatch_split),
+                                      ("step_size", STEP_SIZE_RULES, self.step_size)):
             try:
                 registry.get(value)
             except KeyError as e:  # the registry lists the valid names; say which field held it
@@ -230,6 +237,13 @@ class RLConfig:
                              f"{self.minibatches} (use loglinear or recompute with several minibatches)")
         check_rollout_correction(self)
         check_group_filter(self)
+        if STEP_SIZE_RULES.get(self.step_size).needs_weights and (
+                proximal_method_name(self) == "behaviour" or effective_max_staleness(self) == 0):
+            # pi_prox = pi_behav on every token: every weight is 1, ESS = N, the rule would do nothing.
+            raise ValueError(f"rl.step_size {self.step_size!r} with rl.variant {self.variant.value!r} (rl.proximal "
+                             f"{proximal_method_name(self)!r}, staleness bound {effective_max_staleness(self)}): the "
+                             "rule reads the behaviour importance weights, which this variant does not have (every "
+                             "token's weight is 1); use recompute or loglinear with rl.max_staleness >= 1")
         if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
             # A group of one is its own mean: every advantage would be 0 and nothing would learn.
             raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "

@@ -23,6 +23,7 @@ from a3po.algorithms.minibatches import MINIBATCH_SPLITS
 from a3po.algorithms.proximal import PROXIMAL_METHODS, ProximalMethod, ProxInputs
 from a3po.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 from a3po.algorithms.stability import TokenStats, stability_metrics
+from a3po.algorithms.step_size import STEP_SIZE_RULES, ess_of_parts, ess_parts, sequence_log_weights
 from a3po.algorithms.value import between_prompt_share, explained_variance, token_rewards
 from a3po.config import RLConfig, correction_settings
 from a3po.devices import synchronize
@@ -33,6 +34,7 @@ from a3po.parallel.updaters import LocalUpdater, Updater
 from a3po.producer.producer import ScoredBatch
 from a3po.rollout.logprob_mismatch import behaviour_mismatch
 from a3po.training.guard import ApproximationGuard
+from a3po.training.lr_schedule import learning_rate
 from a3po.training.ppo_parts import PPOParts
 
 
@@ -170,6 +172,23 @@ def rollout_correction(
     return BehaviourCorrection(torch.where(resp, trainer_logp, batch.behav_logp), corr.weights, metrics)
 
 
+def scaled_step(updater: Updater, prox: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cfg: RLConfig,
+                base_lr: float | None, ranks: Ranks) -> dict[str, float]:
+    """Set this optimizer step's rate by ``rl.step_size`` (``a3po.algorithms.step_size``) from the
+    minibatch's behaviour weights ``pi_prox / pi_behav`` (this rank's rows; the ESS is the whole
+    minibatch's, every rank's sums combined); its figures, none for a rule that reads no weights."""
+    rule = STEP_SIZE_RULES.get(cfg.step_size)
+    if not rule.needs_weights:
+        return {}
+    if base_lr is None:
+        raise ValueError(f"rl.step_size {cfg.step_size!r} scales the step's learning rate: pass it (base_lr)")
+    parts = ranks.gather_rows(ess_parts(sequence_log_weights(prox, behav_logp, mask))[None])
+    ess, ratio = ess_of_parts(parts)
+    scale = rule.scale(ratio)
+    updater.set_lr(base_lr * scale)
+    return {"step_size/ess": ess, "step_size/ess_ratio": ratio, "step_size/lr_scale": scale}
+
+
 def update_minibatch(
     policy: torch.nn.Module,
     updater: Updater,
@@ -183,10 +202,12 @@ def update_minibatch(
     ranks: Ranks,
     ppo: PPOParts,
     behav: BehaviourCorrection | None = None,
+    base_lr: float | None = None,
 ) -> MinibatchResult:
     """One optimizer step of the decoupled PPO loss on the minibatch ``mb`` (row indices), this
     rank training on its shard; the critic learns the returns on the same rows. The metrics are
-    those of the whole minibatch on every rank. ``behav``: the rollout correction (None: none)."""
+    those of the whole minibatch on every rank. ``behav``: the rollout correction (None: none);
+    ``base_lr``: the schedule's rate of this step, which ``rl.step_size`` scales."""
     batch, adv = scored.rollout, tokens.advantages
     behav = behav if behav is not None else BehaviourCorrection(batch.behav_logp, None, {})
     weights = behav.weights
@@ -221,7 +242,10 @@ def update_minibatch(
         cfg.behav_weight_cap,
         n_tokens=minibatch_tokens, return_tokens=True, correction=None if weights is None else weights[rows],
     )
+    step_size = scaled_step(updater, prox, behav.behav_logp[rows], resp[rows], cfg, base_lr, ranks)
     grad_norm = updater.update(loss)
+    if step_size:
+        updater.set_lr(base_lr)  # the next minibatch scales the schedule's rate, not this one's
     if ranks.world_size > 1:
         # Metrics of the whole minibatch as one process computes them (a p99 does not reduce).
         logp, ent = ranks.gather_rows(logp.detach()), ranks.gather_rows(ent)
@@ -232,7 +256,7 @@ def update_minibatch(
             logp, prox, behav.behav_logp[mb], adv[mb], resp[mb], cfg.eps_clip, cfg.eps_clip_high, cfg.behav_weight_cap,
             return_tokens=True, correction=None if weights is None else weights[mb],
         )
-    metrics = {**loss_metrics, **prox_metrics, "policy/grad_norm": grad_norm}
+    metrics = {**loss_metrics, **prox_metrics, **step_size, "policy/grad_norm": grad_norm}
     if tokens.returns is not None:  # the critic learns the returns on the same minibatch
         metrics.update(ppo.update_critic(batch, rows, tokens.values, tokens.returns, cfg.grad_clip))
     return MinibatchResult(metrics, token_stats, ent[resp[mb]].sum().item(), int(resp[mb].sum()), prox_time)
@@ -329,7 +353,7 @@ def train_step(
     policy.train()
     try:
         done = [update_minibatch(policy, updater, scored, mb, tokens, staleness, exact_prox, cfg, method, ranks,
-                                 ppo, behav)
+                                 ppo, behav, base_lr=learning_rate(cfg, version))
                 for mb in perm.chunk(cfg.minibatches)]
         if tokens.returns is not None:  # the critic's further passes over the batch (ppo.critic_epochs)
             tokens.metrics.update(ppo.further_critic_epochs(batch, tokens.values, tokens.returns, cfg.minibatches,
