@@ -7,6 +7,21 @@ the step's batch, all minibatches together.
 
 ======================================  ===================================================
 ``reward/mean``, ``reward/std``         reward of the training batch (grader score, 0..1)
+``reward/groups_all_equal``             groups of the training batch whose rewards are all
+                                        equal (no signal under a group-relative estimator)
+``filter/prompts_drawn``                (``rl.filter_groups``) prompts the step drew, its
+                                        batch's included (``a3po.producer.group_filter``)
+``filter/filtered_frac``                ... of those, the groups without signal
+``filter/signal_groups|short_groups``   ... of the batch's groups, with signal and filled up
+                                        without (the cap reached)
+``filter/prompts_per_signal_group``     ... drawn over trained with signal (none: absent)
+``filter/refill_gen_s``                 ... the refills' generation and grading seconds
+``filter/generated_reward_mean``        ... mean reward of every sample drawn
+``step_size/ess|ess_ratio``             (``rl.step_size: ess_sqrt``) Kish effective sample
+                                        size of the minibatch's sequence behaviour weights,
+                                        and over its sequences; mean over minibatches
+``step_size/lr_scale``                  ... the rate's multiplier sqrt(ess_ratio), mean over
+                                        minibatches (``a3po.algorithms.step_size``)
 ``stability/behav_iw_mean|p99|max``     behaviour importance weight pi_prox / pi_behav (the
                                         off-policy correction) over the step's tokens
                                         (``a3po.algorithms.stability``); with a rollout
