@@ -24,8 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 FIGURES = (("filtered_frac", "no-signal frac"), ("prompts_per_step", "prompts/step"),
            ("prompts_per_signal_group", "prompts/signal grp"), ("signal_groups", "signal grps/batch"),
            ("refill_share", "refill share of gen"), ("gen_s", "gen s/step"), ("step_s", "step s"),
@@ -93,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="a3po-filter-")).resolve()
     groups = preset(args.preset).rl.batch_prompts
-    torch.set_num_threads(1)  # the runs are subprocesses: this one only reads their files
     rows = []
     for seed in seeds:
         for filtered in (False, True):

@@ -34,10 +34,8 @@ from a3po.registry import Registry
 def sequence_log_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``log W_i = sum_t mask_it (log pi_prox(y_it) - log pi_behav(y_it))``, ``(N,)`` from ``(N, L)``."""
     require_same_shape(prox_logp=prox_logp, behav_logp=behav_logp, mask=mask)
-    m = mask.bool()
-    diff = torch.where(m, prox_logp.detach().double() - behav_logp.detach().double(), torch.zeros_like(prox_logp,
-                                                                                                      dtype=torch.float64))
-    return diff.sum(-1)
+    diff = prox_logp.detach().double() - behav_logp.detach().double()
+    return torch.where(mask.bool(), diff, torch.zeros_like(diff)).sum(-1)
 
 
 def ess_parts(log_w: torch.Tensor) -> torch.Tensor:

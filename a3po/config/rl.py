@@ -1,10 +1,11 @@
 """The rl section (:class:`RLConfig`): the variant, the batch, the optimizer and the loss, then
-four features, each with its fields in the class and its rules in a function of its own below
+five features, each with its fields in the class and its rules in a function of its own below
 it: the guard (:func:`check_guard`), staleness control (:func:`check_staleness_control`,
 :func:`staleness_settings`), rollout correction (:func:`check_rollout_correction`,
-:func:`correction_settings`) and the group filter (:func:`check_group_filter`,
-:func:`filter_settings`); and the values derived from the section (the staleness bound in force,
-the proximal method's name), never written back into it."""
+:func:`correction_settings`), the group filter (:func:`check_group_filter`,
+:func:`filter_settings`) and the step size (:func:`check_step_size`); and the values derived
+from the section (the staleness bound in force, the proximal method's name), never written back
+into it."""
 
 from __future__ import annotations
 
@@ -237,13 +238,7 @@ class RLConfig:
                              f"{self.minibatches} (use loglinear or recompute with several minibatches)")
         check_rollout_correction(self)
         check_group_filter(self)
-        if STEP_SIZE_RULES.get(self.step_size).needs_weights and (
-                proximal_method_name(self) == "behaviour" or effective_max_staleness(self) == 0):
-            # pi_prox = pi_behav on every token: every weight is 1, ESS = N, the rule would do nothing.
-            raise ValueError(f"rl.step_size {self.step_size!r} with rl.variant {self.variant.value!r} (rl.proximal "
-                             f"{proximal_method_name(self)!r}, staleness bound {effective_max_staleness(self)}): the "
-                             "rule reads the behaviour importance weights, which this variant does not have (every "
-                             "token's weight is 1); use recompute or loglinear with rl.max_staleness >= 1")
+        check_step_size(self)
         if ADVANTAGE_ESTIMATORS.get(self.advantage).group_relative and self.group_size < 2:
             # A group of one is its own mean: every advantage would be 0 and nothing would learn.
             raise ValueError(f"rl.group_size {self.group_size} with rl.advantage {self.advantage!r}: a group-relative "
@@ -396,3 +391,15 @@ def check_group_filter(rl: RLConfig) -> None:
         raise ValueError(f"rl.filter_groups with rl.advantage {rl.advantage!r}: a group with equal rewards carries no "
                          "signal only under a group-relative estimator (grpo, dr_grpo); here its advantages "
                          "come from the critic")
+
+
+# The step size (rl.step_size): the learning rate of each optimizer step, from the behaviour weights.
+
+def check_step_size(rl: RLConfig) -> None:
+    if STEP_SIZE_RULES.get(rl.step_size).needs_weights and (
+            proximal_method_name(rl) == "behaviour" or effective_max_staleness(rl) == 0):
+        # pi_prox = pi_behav on every token: every weight is 1, ESS = N, the rule would do nothing.
+        raise ValueError(f"rl.step_size {rl.step_size!r} with rl.variant {rl.variant.value!r} (rl.proximal "
+                         f"{proximal_method_name(rl)!r}, staleness bound {effective_max_staleness(rl)}): the "
+                         "rule reads the behaviour importance weights, which this variant does not have (every "
+                         "token's weight is 1); use recompute or loglinear with rl.max_staleness >= 1")

@@ -77,7 +77,7 @@ def local_producer(
         **overlap,
         stream=inp.intra,
         threads=inp.plan.generate_threads,
-        **({"group_filter": GroupFilter(filter_settings(rl)[0])} if rl.filter_groups else {}),
+        group_filter=GroupFilter(filter_settings(rl)[0]) if rl.filter_groups else None,
     )
 
 

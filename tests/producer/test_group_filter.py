@@ -101,10 +101,8 @@ def odd_length_reward(task, completions, golds, ids=None):
 def binary_rewards(monkeypatch):
     from tests.support.rewards import stub_rewards
 
-    stub_rewards(monkeypatch)
-    for name in [n for n, m in sys.modules.items() if n.startswith("a3po.") and hasattr(m, "score_completions")]:
-        if sys.modules[name].score_completions.__name__ == "digit_reward":
-            monkeypatch.setattr(sys.modules[name], "score_completions", odd_length_reward)
+    for name in stub_rewards(monkeypatch):  # the modules that look the grader up, now on the stand-in
+        monkeypatch.setattr(sys.modules[name], "score_completions", odd_length_reward)
 
 
 def _filtered_run(monkeypatch, steps=6, s=2, schedule="deterministic", ckpt_dir=None, progress=None, **rl):
