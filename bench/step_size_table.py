@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from a3po.training.records import finished_record
 from tasks.parity import paired_bootstrap_ci
 from tasks.summary import final_reward, read_history
 
@@ -41,9 +42,15 @@ def runs_of(root: Path) -> dict[tuple[str, int], Path]:
     return found
 
 
-def figures(run: Path) -> dict[str, float]:
-    history = read_history(run / "history.jsonl")
-    result = json.loads((run / "result.json").read_text())
+def figures(run: Path, arm: str, seed: int) -> dict[str, float]:
+    """The run's figures, from its record only once the record passes the project's checks
+    (digests of the record, the history and the final weights; variant and seed)."""
+    result_json = json.loads((run / "result.json").read_text())
+    checked = finished_record(run, arm.split("+")[0], seed, result_json.get("steps"))
+    if checked is None:
+        raise SystemExit(f"{run}: not a finished run (no history.jsonl or final/ beside result.json)")
+    result = checked[0]
+    history = read_history(run / "history.jsonl")  # merged by step, as the comparison reads it
 
     def mean_of(key: str) -> float:
         xs = [h[key] for h in history if key in h]
@@ -67,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     rows, out = [], {}
     for arm in sorted({a for a, _ in shared}, key=lambda a: (len(a), a)):
         seeds = [s for a, s in shared if a == arm]
-        f = [figures(fixed[(arm, s)]) for s in seeds]
-        e = [figures(ess[(arm, s)]) for s in seeds]
+        f = [figures(fixed[(arm, s)], arm, s) for s in seeds]
+        e = [figures(ess[(arm, s)], arm, s) for s in seeds]
         row = {"arm": arm, "seeds": len(seeds)}
         for key in ("final_reward", "final_acc"):
             mean, lo, hi = paired_bootstrap_ci([b[key] - a[key] for a, b in zip(f, e, strict=True)])

@@ -5,19 +5,26 @@ import json
 
 import pytest
 
+from a3po.training.records import RecordRefused, history_text, seal
 from bench import step_size_table
 
 
 def write_run(root, name, rewards, final_acc, lr_scale=None):
+    """A finished run folder as the training task leaves it: history, final weights, sealed record."""
     d = root / name
-    d.mkdir(parents=True)
-    with open(d / "history.jsonl", "w") as f:
-        for step, r in enumerate(rewards):
-            row = {"step": step, "reward/mean": r, "stability/behav_iw_max": 1.0 + step}
-            if lr_scale is not None:
-                row["step_size/lr_scale"] = lr_scale
-            f.write(json.dumps(row) + "\n")
-    (d / "result.json").write_text(json.dumps({"final_acc": final_acc, "wall_s": 10.0}))
+    (d / "final").mkdir(parents=True)
+    (d / "final" / "model.safetensors").write_bytes(name.encode())
+    history = []
+    for step, r in enumerate(rewards, start=1):
+        row = {"reward/mean": r, "stability/behav_iw_max": float(step)}
+        if lr_scale is not None:
+            row["step_size/lr_scale"] = lr_scale
+        history.append(row)
+    (d / "history.jsonl").write_text(history_text(history))
+    arm, seed = name.rsplit("-", 1)[0].rsplit("-seed", 1)
+    record = {"variant": arm.split("+")[0], "seed": int(seed), "warmstart_acc": 0.0, "final_acc": final_acc,
+              "steps": len(rewards), "wall_s": 10.0, "eval_curve": [[len(rewards), final_acc]]}
+    (d / "result.json").write_text(json.dumps(seal(record, history, d / "final")))
 
 
 def test_pairs_by_seed_and_differences_the_smoothed_final_reward(tmp_path, capsys):
@@ -40,6 +47,16 @@ def test_pairs_by_seed_and_differences_the_smoothed_final_reward(tmp_path, capsy
     assert row["diff_final_acc"] == pytest.approx(0.025)
     assert row["ess_lr_scale"] == pytest.approx(0.7)
     assert row["ess_iw_max"] == pytest.approx(8.0)
+
+
+def test_an_edited_record_is_refused(tmp_path):
+    fixed, ess = tmp_path / "fixed", tmp_path / "ess"
+    write_run(fixed, "loglinear+s4-seed0-0000000a", [0.1] * 4, 0.5)
+    write_run(ess, "loglinear+s4-seed0-0000000b", [0.1] * 4, 0.5)
+    result = ess / "loglinear+s4-seed0-0000000b" / "result.json"
+    result.write_text(result.read_text().replace('"final_acc": 0.5', '"final_acc": 0.9'))
+    with pytest.raises(RecordRefused, match="does not match the digest"):
+        step_size_table.main(["--fixed", str(fixed), "--ess", str(ess)])
 
 
 def test_refuses_folders_with_nothing_in_common(tmp_path):
